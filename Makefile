@@ -1,0 +1,33 @@
+# Set-up and the two everyday commands. Everything lives in a local virtualenv (.venv).
+# torch is installed first as exactly 2.13.0: that is the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install train test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+## The main job on the embedded default: a tiny CPU run that prints the resource ledger.
+train: install
+	$(VENV)/bin/moe-train $(ARGS)
+
+## The whole test suite (what CI runs).
+test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,43 @@
+"""moe: the model library — decoder-only transformer, top-k routed expert layers, resource ledger. No I/O."""
+
+from moe.attention import Attention, build_attention_mask, grouped_attention
+from moe.config import ModelConfig
+from moe.ffn import FeedForward
+from moe.kv_cache import KVCache
+from moe.ledger import (
+    FlopsPerToken,
+    ParameterCount,
+    RunShape,
+    TrainingStateBytes,
+    count_parameters,
+    format_ledger,
+    kv_cache_bytes,
+    matmul_flops_per_token,
+    training_state_bytes,
+)
+from moe.model import ModelOutput, Transformer
+from moe.moe_config import MoEConfig
+from moe.moe_layer import MoELayer, MoEOutput
+
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "FlopsPerToken",
+    "KVCache",
+    "MoEConfig",
+    "MoELayer",
+    "MoEOutput",
+    "ModelConfig",
+    "ModelOutput",
+    "ParameterCount",
+    "RunShape",
+    "TrainingStateBytes",
+    "Transformer",
+    "build_attention_mask",
+    "count_parameters",
+    "format_ledger",
+    "grouped_attention",
+    "kv_cache_bytes",
+    "matmul_flops_per_token",
+    "training_state_bytes",
+]

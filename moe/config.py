@@ -1,0 +1,108 @@
+"""`ModelConfig`: the shape of a decoder-only transformer, validated once at construction.
+
+Every check raises ValueError with one sentence that names the field and the fix, so a bad Hydra override
+fails at start-up instead of deep inside a matmul. Types are plain (int/float/str/bool/Optional) so Hydra's
+ConfigStore can hold the dataclass as a structured config.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from moe.moe_config import MoEConfig
+
+POS_ENCODINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer; `moe=None` is a dense model, otherwise `moe.moe_layers` picks the MoE layers."""
+
+    vocab_size: int = 258
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None = n_heads (MHA); 1 = MQA; a divisor in between = GQA
+    head_dim: Optional[int] = None  # None = d_model // n_heads
+    d_ff: int = 512
+    max_seq_len: int = 256
+    pos_encoding: str = "rope"
+    rope_theta: float = 10000.0
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: str = "swiglu"
+    attention_bias: bool = False
+    ffn_bias: bool = False
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    moe: Optional[MoEConfig] = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _require(
+            1 <= self.n_kv_heads <= self.n_heads,
+            f"model.n_kv_heads={self.n_kv_heads} must lie in [1, n_heads={self.n_heads}]: "
+            "use n_heads for MHA, 1 for MQA, or a divisor of n_heads for GQA",
+        )
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.n_kv_heads}: "
+            "choose n_kv_heads that divides n_heads so each KV head serves a whole group of query heads",
+        )
+        if self.head_dim is None:
+            _require(
+                self.d_model % self.n_heads == 0,
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                "change one of them or set model.head_dim explicitly",
+            )
+            self.head_dim = self.d_model // self.n_heads
+        _require(self.head_dim >= 1, f"model.head_dim={self.head_dim} must be a positive integer")
+        _require(
+            self.pos_encoding in POS_ENCODINGS,
+            f"model.pos_encoding={self.pos_encoding!r} is unknown: use one of {POS_ENCODINGS}",
+        )
+        _require(self.norm in NORMS, f"model.norm={self.norm!r} is unknown: use one of {NORMS}")
+        _require(
+            self.activation in ACTIVATIONS,
+            f"model.activation={self.activation!r} is unknown: use one of {ACTIVATIONS}",
+        )
+        if self.pos_encoding == "rope":
+            _require(
+                self.head_dim % 2 == 0,
+                f"model.head_dim={self.head_dim} is odd but RoPE rotates coordinate pairs: use an even head_dim",
+            )
+            _require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be positive, e.g. 10000")
+        _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5")
+        _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must lie in [0, 1)")
+        _require(self.init_std > 0, f"model.init_std={self.init_std} must be positive, e.g. 0.02")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head: query head h reads KV head h // group_size."""
+        return self.n_heads // self.n_kv_heads
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer_idx, self.n_layers)
+
+    def num_params(self) -> int:
+        """Total parameters, computed from the config alone (a test checks it against the real module)."""
+        from moe.ledger import count_parameters
+
+        return count_parameters(self).total
+
+    def num_active_params(self) -> int:
+        """Parameters touched by one token: MoE layers count only the router, top-k experts and shared experts."""
+        from moe.ledger import count_parameters
+
+        return count_parameters(self).active

@@ -1,0 +1,48 @@
+"""Key/value cache for incremental decoding (seed 001 §1.5, "用前缀等价性约束缓存优化").
+
+Stores only the n_kv_heads heads each layer really has, so a GQA/MQA model keeps its cache saving:
+bytes = 2 · B · L · S · H_kv · d_h · s. Query heads are mapped onto KV heads at attention time, never by
+writing repeated K/V here.
+"""
+
+import torch
+
+
+class KVCache:
+    """Preallocated K and V for every layer, shape (L, B, H_kv, S_max, d_h); `length` positions are filled."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        self.k_LBKSd = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LBKSd = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # positions already written, i.e. the absolute position of the next token
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k_LBKSd.numel() * self.k_LBKSd.element_size() * 2
+
+    def update(self, layer: int, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's K/V for `layer` after the cached prefix; return views of prefix + step."""
+        end = self.length + k_BKTd.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache holds {self.max_len} positions but this step needs {end}: "
+                "allocate a longer cache or generate fewer tokens"
+            )
+        self.k_LBKSd[layer, :, :, self.length : end] = k_BKTd
+        self.v_LBKSd[layer, :, :, self.length : end] = v_BKTd
+        return self.k_LBKSd[layer, :, :, :end], self.v_LBKSd[layer, :, :, :end]
+
+    def advance(self, n_positions: int) -> None:
+        """Called once per forward, after every layer has written its K/V for the step."""
+        self.length += n_positions

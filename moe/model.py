@@ -1,0 +1,208 @@
+"""Decoder-only transformer whose FFN per layer is dense or a top-k routed expert layer (seed 001 §1.1–1.3).
+
+Legend: B batch, T tokens in this step, S keys (cached prefix + step), D model width, V vocabulary.
+
+    X = Embed(ids) (+ learned positions)
+    U = X + Attention(Norm(X))        Y = U + FFN(Norm(U))        (pre-norm block, repeated L times)
+    logits = Norm(Y) W_U
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.attention import Attention, build_attention_mask
+from moe.config import ModelConfig
+from moe.ffn import FeedForward
+from moe.kv_cache import KVCache
+from moe.moe_layer import MoELayer, MoEOutput
+from moe.rope import rope_tables
+
+
+def build_norm(config: ModelConfig) -> nn.Module:
+    """LayerNorm carries γ and β (the seeds' definition); RMSNorm only γ."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+
+
+@dataclass
+class ModelOutput:
+    """`logits` (B, T, V); `aux_loss` sums every MoE layer's balancing and z losses (0 for a dense model);
+    `moe_outputs[i]` is layer i's MoEOutput (None for dense layers) so the trainer can log per-layer terms."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    moe_outputs: list[MoEOutput | None] = field(default_factory=list)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(config)
+        self.attn = Attention(config, layer_idx)
+        self.ffn_norm = build_norm(config)
+        if config.is_moe_layer(layer_idx):
+            self.ffn: nn.Module = MoELayer(config.d_model, config.moe, config.activation, config.init_std)
+        else:
+            self.ffn = FeedForward(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
+        self.residual_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        token_mask_BT: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
+        x_BTD = x_BTD + self.residual_dropout(self.attn(self.attn_norm(x_BTD), rope_cos_sin, mask, kv_cache))
+        if isinstance(self.ffn, MoELayer):
+            moe_output = self.ffn(self.ffn_norm(x_BTD), token_mask_BT)
+            return x_BTD + self.residual_dropout(moe_output.output), moe_output
+        return x_BTD + self.residual_dropout(self.ffn(self.ffn_norm(x_BTD))), None
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_embed = (
+            nn.Embedding(config.max_seq_len, config.d_model) if config.pos_encoding == "learned" else None
+        )
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.final_norm = build_norm(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def reset_parameters(self) -> None:
+        """Every matrix ~ N(0, init_std²), biases 0, norms γ=1 β=0 (MoE layers initialise their own experts)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=self.config.init_std)
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                module.reset_parameters()
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> ModelOutput:
+        """`attention_mask_BT` marks real tokens (1) vs padding (0); a padding key is never attended by a real
+        query and padding tokens are not routed. With `kv_cache`, positions continue after the cached prefix."""
+        B, T = input_ids_BT.shape
+        prefix = kv_cache.length if kv_cache is not None else 0
+        if prefix + T > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {prefix + T} positions exceeds model.max_seq_len={self.config.max_seq_len}: "
+                "shorten the input or raise max_seq_len"
+            )
+        if kv_cache is not None and attention_mask_BT is not None:
+            raise ValueError("padding masks are not supported with a KV cache: decode unpadded prompts")
+        positions_T = torch.arange(prefix, prefix + T, device=input_ids_BT.device)
+
+        x_BTD = self.embed(input_ids_BT)
+        if self.pos_embed is not None:
+            x_BTD = x_BTD + self.pos_embed(positions_T)
+        x_BTD = self.embed_dropout(x_BTD)
+        rope_cos_sin = None
+        if self.config.pos_encoding == "rope":
+            rope_cos_sin = rope_tables(positions_T, self.config.head_dim, self.config.rope_theta, x_BTD.dtype)
+
+        mask = None
+        if attention_mask_BT is not None or (prefix > 0 and T > 1):
+            mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT)
+
+        moe_outputs: list[MoEOutput | None] = []
+        for block in self.blocks:
+            x_BTD, moe_output = block(x_BTD, rope_cos_sin, mask, kv_cache, attention_mask_BT)
+            moe_outputs.append(moe_output)
+        if kv_cache is not None:
+            kv_cache.advance(T)
+
+        logits_BTV = self.lm_head(self.final_norm(x_BTD))
+        aux_terms = [out.aux_loss + out.z_loss for out in moe_outputs if out is not None]
+        aux_loss = torch.stack(aux_terms).sum() if aux_terms else logits_BTV.new_zeros(())
+        return ModelOutput(logits=logits_BTV, aux_loss=aux_loss, moe_outputs=moe_outputs)
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache on this model's device and dtype, sized for `max_len` positions (default max_seq_len)."""
+        weight = self.embed.weight
+        return KVCache(
+            n_layers=self.config.n_layers,
+            batch_size=batch_size,
+            n_kv_heads=self.config.n_kv_heads,
+            head_dim=self.config.head_dim,
+            max_len=max_len or self.config.max_seq_len,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids_BT: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Prefill the prompt once, then decode one token per step from the KV cache.
+
+        temperature=0 is greedy; otherwise sample from softmax(logits / temperature), restricted to the top_k
+        largest logits when top_k is set. Rows that emitted `eos_id` keep emitting it. Returns (B, T + new).
+        """
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k={top_k} must lie in [1, vocab_size={self.config.vocab_size}]")
+        B, T = input_ids_BT.shape
+        total = T + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds model.max_seq_len="
+                f"{self.config.max_seq_len}: generate fewer tokens or shorten the prompt"
+            )
+        was_training = self.training
+        self.eval()
+        kv_cache = self.new_kv_cache(B, total)
+        tokens_BT = input_ids_BT
+        step_input_BT = input_ids_BT
+        finished_B = torch.zeros(B, dtype=torch.bool, device=input_ids_BT.device)
+        for _ in range(max_new_tokens):
+            last_logits_BV = self(step_input_BT, kv_cache=kv_cache).logits[:, -1].float()
+            next_B = self._select_next_token(last_logits_BV, temperature, top_k, generator)
+            if eos_id is not None:
+                next_B = torch.where(finished_B, torch.full_like(next_B, eos_id), next_B)
+                finished_B |= next_B == eos_id
+            step_input_BT = next_B[:, None]
+            tokens_BT = torch.cat((tokens_BT, step_input_BT), dim=1)
+            if eos_id is not None and bool(finished_B.all()):
+                break
+        self.train(was_training)
+        return tokens_BT
+
+    @staticmethod
+    def _select_next_token(
+        logits_BV: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        if temperature == 0:
+            return logits_BV.argmax(dim=-1)
+        logits_BV = logits_BV / temperature
+        if top_k is not None:
+            kth_largest_B1 = logits_BV.topk(top_k, dim=-1).values[:, -1:]
+            logits_BV = logits_BV.masked_fill(logits_BV < kth_largest_B1, float("-inf"))
+        probs_BV = F.softmax(logits_BV, dim=-1)
+        return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,107 @@
+"""KV cache (seed 001 §1.5): step-by-step decoding from the cache equals the full-prefix forward at every
+position, the cache stores only H_kv heads, and generate() uses it."""
+
+import pytest
+import torch
+
+from moe import ModelConfig, Transformer, kv_cache_bytes
+
+TOL = dict(atol=1e-10, rtol=1e-8)
+
+
+def tiny_model(**overrides) -> Transformer:
+    fields = dict(vocab_size=40, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=40, max_seq_len=48)
+    fields.update(overrides)
+    return Transformer(ModelConfig(**fields)).double().eval()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 4},
+        {"n_kv_heads": 1, "norm": "layernorm", "activation": "gelu"},
+        {"pos_encoding": "learned", "attention_bias": True, "ffn_bias": True},
+    ],
+)
+@pytest.mark.parametrize("chunks", [[1] * 12, [5, 1, 1, 3, 2], [12], [3, 4, 5]])
+def test_chunked_cached_forward_equals_full_forward(overrides: dict, chunks: list[int]) -> None:
+    model = tiny_model(**overrides)
+    ids = torch.randint(0, 40, (2, sum(chunks)))
+    full = model(ids).logits
+    cache = model.new_kv_cache(batch_size=2)
+    start, pieces = 0, []
+    for size in chunks:
+        pieces.append(model(ids[:, start : start + size], kv_cache=cache).logits)
+        start += size
+    assert cache.length == sum(chunks)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **TOL)
+
+
+def test_cache_holds_only_kv_heads_and_matches_the_ledger() -> None:
+    model = tiny_model(n_heads=8, n_kv_heads=2, d_model=64)
+    cache = model.new_kv_cache(batch_size=3, max_len=20)
+    assert cache.k_LBKSd.shape == (3, 3, 2, 20, 8)
+    assert cache.num_bytes == kv_cache_bytes(model.config, batch_size=3, seq_len=20, bytes_per_element=8)
+
+
+def test_cache_overflow_is_a_clear_error() -> None:
+    model = tiny_model()
+    cache = model.new_kv_cache(batch_size=1, max_len=4)
+    model(torch.randint(0, 40, (1, 3)), kv_cache=cache)
+    with pytest.raises(ValueError, match="KV cache holds 4 positions"):
+        model(torch.randint(0, 40, (1, 2)), kv_cache=cache)
+
+
+def test_sequence_longer_than_max_seq_len_is_a_clear_error() -> None:
+    model = tiny_model(max_seq_len=8)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.randint(0, 40, (1, 9)))
+
+
+def test_greedy_generate_equals_recomputing_the_full_forward() -> None:
+    model = tiny_model()
+    prompt = torch.randint(0, 40, (2, 5))
+    generated = model.generate(prompt, max_new_tokens=8, temperature=0)
+    assert generated.shape == (2, 13)
+    assert torch.equal(generated[:, :5], prompt)
+    tokens = prompt
+    for _ in range(8):
+        next_token = model(tokens).logits[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    assert torch.equal(generated, tokens)
+
+
+def test_top_k_one_sampling_is_greedy_and_sampling_is_reproducible() -> None:
+    model = tiny_model()
+    prompt = torch.randint(0, 40, (1, 4))
+    greedy = model.generate(prompt, max_new_tokens=6, temperature=0)
+    top1 = model.generate(prompt, max_new_tokens=6, temperature=1.3, top_k=1)
+    assert torch.equal(greedy, top1)
+    sample_a = model.generate(prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    sample_b = model.generate(prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(sample_a, sample_b)
+
+
+def test_top_k_sampling_only_draws_from_the_top_k() -> None:
+    model = tiny_model()
+    prompt = torch.randint(0, 40, (64, 3))
+    allowed = model(prompt).logits[:, -1].topk(3, dim=-1).indices
+    drawn = model.generate(prompt, 1, temperature=5.0, top_k=3, generator=torch.Generator().manual_seed(0))[:, -1]
+    assert (allowed == drawn[:, None]).any(dim=-1).all()
+
+
+def test_rows_stop_at_eos() -> None:
+    model = tiny_model()
+    prompt = torch.randint(0, 40, (3, 4))
+    first = model.generate(prompt, 1, temperature=0)[:, -1]
+    eos = int(first[0])
+    out = model.generate(prompt, 5, temperature=0, eos_id=eos)
+    row0 = out[0, 4:]
+    assert (row0 == eos).all(), "a finished row keeps emitting EOS"
+
+
+def test_generate_rejects_running_past_max_seq_len() -> None:
+    model = tiny_model(max_seq_len=10)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(torch.randint(0, 40, (1, 6)), max_new_tokens=5)
