@@ -1,0 +1,35 @@
+"""Text to deterministic, resumable packed token batches; nothing here imports Hydra or the model.
+
+Entry point: ``build_loaders(DataConfig(...), rank, world_size, micro_batch_size)``. See ``loader``
+for batch layout and resume semantics, ``synthetic`` for the default corpus and its entropy floor,
+``hf_source`` for Hugging Face datasets, ``packing`` for how documents become windows.
+"""
+
+from data_pipeline.errors import DataError
+from data_pipeline.hf_source import HFSourceConfig
+from data_pipeline.loader import DataConfig, DataLoaders, TrainLoader, ValConfig, ValLoader, build_loaders
+from data_pipeline.order import BatchLayout
+from data_pipeline.packing import TokenBuffer, pack_stream
+from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
+from data_pipeline.tokenizer import ByteTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
+
+__all__ = [
+    "BatchLayout",
+    "ByteTokenizer",
+    "DataConfig",
+    "DataError",
+    "DataLoaders",
+    "HFSourceConfig",
+    "HFTokenizer",
+    "SyntheticConfig",
+    "SyntheticLanguage",
+    "TokenBuffer",
+    "TokenizerConfig",
+    "TrainLoader",
+    "ValConfig",
+    "ValLoader",
+    "build_loaders",
+    "build_tokenizer",
+    "check_vocab_fits",
+    "pack_stream",
+]

@@ -1,0 +1,429 @@
+"""Build train/validation loaders of packed token batches from a ``DataConfig``.
+
+Each loader yields this rank's micro-batches as dicts of int64 tensors:
+``input_ids [m, seq_len]``, ``labels [m, seq_len]`` (inputs shifted by one inside the packed window),
+and ``sample_ids [m]`` (the packed-sample index within the corpus, for tests and logging; when
+streaming, the window's index in its epoch's stream, since windows are re-cut every epoch).
+
+Slicing (details in ``data_pipeline.order``): global step g is positions ``[g·G, (g+1)·G)`` of the
+global sample sequence; rank r of W takes the contiguous block ``[r·G/W, (r+1)·G/W)`` and its
+micro-batch j of ``a = G/(m·W)`` is ``[j·m, (j+1)·m)`` of that block. The samples in a step are
+therefore the same for any world size W and any split G = m·a·W, and the order of samples is a
+pure function of (corpus, seed, epoch).
+
+Resuming: ``TrainLoader.state_dict()`` is the number of global samples consumed by completed
+global steps (plus the seed and corpus size, checked on load). A global step that was only partly
+iterated (some of its micro-batches) does not count: after a resume it is replayed from its first
+micro-batch, which is right because its optimizer step never happened. World size and micro-batch
+size may change across a resume.
+
+Source selection is Hydra-friendly without ``_target_``: ``source`` names which of the sub-configs
+``synthetic`` / ``hf`` is used, and the unused one must be left at its defaults (so no key is ever
+silently ignored).
+
+In a multi-process job, call ``build_loaders`` on the main process first (e.g. under Accelerate's
+``main_process_first()``): map-style tokenization is then done once and the other ranks read the
+``datasets`` cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, Optional
+
+import numpy as np
+import torch
+
+from data_pipeline.errors import DataError
+from data_pipeline.hf_source import HFSourceConfig, describe, load_split, stream_tokens, tokenize_dataset
+from data_pipeline.holdout import holdout_mask_from_index
+from data_pipeline.order import BatchLayout, IndexedSamples, SampleSequence, StreamedSamples
+from data_pipeline.packing import TokenBuffer, pack_stream
+from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
+from data_pipeline.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
+
+SOURCES = ("synthetic", "hf")
+DEFAULT_HOLDOUT_FRACTION = 0.01
+
+
+@dataclass
+class ValConfig:
+    """Held-out validation: a given split, or a deterministic fraction of the training documents."""
+
+    split: Optional[str] = None  # hf only: a held-out split, e.g. "validation"
+    data_files: Optional[list[str]] = None  # files of ``split`` when the train split is given as hf.data_files
+    fraction: Optional[float] = None  # without ``split``: share of documents held out by hash (default 0.01;
+    # 0 disables validation)
+    global_batch_size: Optional[int] = None  # default: the training global batch size
+    max_batches: Optional[int] = None  # cap on global batches per evaluation (default: the whole split). A
+    # streamed validation set is read once into memory, up to this cap.
+
+    def __post_init__(self) -> None:
+        if self.fraction is not None and not 0.0 <= self.fraction < 1.0:
+            raise ValueError(f"val.fraction={self.fraction} must be in [0, 1)")
+        if self.split is not None and self.fraction is not None:
+            raise ValueError(
+                f"val.fraction is unused when val.split={self.split!r} is given: set one of them, the other to null"
+            )
+        if self.data_files is not None and self.split is None:
+            raise ValueError("val.data_files needs val.split (the split those files hold)")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            raise ValueError(f"val.global_batch_size={self.global_batch_size} must be >= 1")
+        if self.max_batches is not None and self.max_batches < 1:
+            raise ValueError(f"val.max_batches={self.max_batches} must be >= 1 or null")
+
+    @property
+    def holdout_fraction(self) -> float:
+        """Share of training documents held out: 0 when a split is given."""
+        if self.split is not None:
+            return 0.0
+        return DEFAULT_HOLDOUT_FRACTION if self.fraction is None else self.fraction
+
+    @property
+    def enabled(self) -> bool:
+        return self.split is not None or self.holdout_fraction > 0
+
+
+@dataclass
+class DataConfig:
+    """Everything that defines the token batches: source, tokenizer, packing, batching, order."""
+
+    source: str = "synthetic"  # "synthetic" or "hf": which sub-config below is used
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    hf: HFSourceConfig = field(default_factory=HFSourceConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+    seq_len: int = 256
+    global_batch_size: int = 32  # packed samples per optimizer step, over all ranks
+    seed: int = 0  # sample order; the corpus itself does not depend on it
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source={self.source!r} must be one of {SOURCES}")
+        if self.source == "synthetic":
+            if self.hf != HFSourceConfig():
+                raise ValueError("data.hf is set but data.source='synthetic': set data.source=hf or remove data.hf")
+            if self.tokenizer != TokenizerConfig():
+                raise ValueError("data.tokenizer is unused by data.source='synthetic' (it emits token ids): remove it")
+            if self.val.split is not None:
+                raise ValueError("data.val.split needs data.source=hf; the synthetic source holds out val.fraction")
+        else:
+            if self.synthetic != SyntheticConfig():
+                raise ValueError("data.synthetic is set but data.source='hf': set data.source=synthetic or remove it")
+            if not self.hf.path:
+                raise ValueError(
+                    "data.hf.path is empty: name a hub dataset, a local directory, or 'json'/'parquet'/'text'"
+                )
+            if self.val.split is not None and self.hf.data_files and not self.val.data_files:
+                raise ValueError(
+                    "data.val.split with data.hf.data_files needs data.val.data_files (that split's files)"
+                )
+        if self.seq_len < 1:
+            raise ValueError(f"data.seq_len={self.seq_len} must be >= 1")
+        if self.global_batch_size < 1:
+            raise ValueError(f"data.global_batch_size={self.global_batch_size} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"data.seed={self.seed} must be >= 0")
+
+
+def _to_batch(sample_ids: np.ndarray, windows: np.ndarray) -> dict[str, torch.Tensor]:
+    windows_BW = torch.from_numpy(windows.astype(np.int64))  # (m, seq_len + 1)
+    return {
+        "input_ids": windows_BW[:, :-1].contiguous(),  # (m, seq_len)
+        "labels": windows_BW[:, 1:].contiguous(),  # (m, seq_len)
+        "sample_ids": torch.from_numpy(sample_ids.astype(np.int64)),  # (m,)
+    }
+
+
+class TrainLoader:
+    """Endless iterator over this rank's micro-batches, ``accumulation_steps`` per global step."""
+
+    def __init__(self, samples: SampleSequence, layout: BatchLayout, seed: int):
+        self.samples = samples
+        self.layout = layout
+        self.seed = seed
+        self._start = 0  # global samples consumed when the current iterator began
+        self._yielded = 0  # micro-batches yielded by the current iterator
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.layout.accumulation_steps
+
+    @property
+    def num_samples(self) -> Optional[int]:
+        """Packed samples per epoch (None for a stream not yet read to its end)."""
+        return self.samples.num_samples
+
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples in completed global steps: the position a resume continues from."""
+        return self._start + (self._yielded // self.accumulation_steps) * self.layout.global_batch_size
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        start = self.samples_consumed
+        self._start, self._yielded = start, 0
+        return self._micro_batches(start)
+
+    def _micro_batches(self, start: int) -> Iterator[dict[str, torch.Tensor]]:
+        step = 0
+        while True:
+            for micro in range(self.accumulation_steps):
+                position = start + self.layout.micro_batch_start(step, micro)
+                batch = _to_batch(*self.samples.read(position, self.layout.micro_batch_size))
+                self._yielded += 1  # before yielding: after the last micro-batch the step counts as done
+                yield batch
+            step += 1
+
+    def state_dict(self) -> dict:
+        return {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; the next ``iter()`` starts there."""
+        if state["seed"] != self.seed:
+            raise DataError(
+                f"data state was saved with seed {state['seed']} but data.seed={self.seed}: resume with the same seed"
+            )
+        saved, now = state.get("num_samples"), self.num_samples
+        if saved is not None and now is not None and saved != now:
+            raise DataError(
+                f"data state was saved for a corpus of {saved} packed samples, this one has {now}: "
+                "resume with the same data, tokenizer and seq_len"
+            )
+        self._start, self._yielded = int(state["samples_consumed"]), 0
+
+
+class ValLoader:
+    """One deterministic pass over the validation samples (in corpus order), this rank's micro-batches.
+
+    Only whole global batches are evaluated (at most ``max_batches``), so every world size sees the
+    same validation samples.
+    """
+
+    def __init__(
+        self,
+        load_tokens: Callable[[], TokenBuffer],
+        config: DataConfig,
+        layout: BatchLayout,
+        where: str,
+        *,
+        lazy: bool,
+    ):
+        # lazy: load on first use, so a streamed validation set is read from the stream at the first
+        # evaluation rather than at build time; otherwise load now and fail early if it is too small.
+        self._load_tokens = load_tokens
+        self._config = config
+        self.layout = layout
+        self.where = where
+        self._num_batches: Optional[int] = None if lazy else self._count_batches()
+
+    @cached_property
+    def samples(self) -> IndexedSamples:
+        return IndexedSamples(self._load_tokens(), self._config.seq_len + 1, self._config.seed, shuffle=False)
+
+    @property
+    def num_batches(self) -> int:
+        """Whole global batches evaluated per pass (at least one, else a DataError)."""
+        if self._num_batches is None:
+            self._num_batches = self._count_batches()
+        return self._num_batches
+
+    def _count_batches(self) -> int:
+        num_batches = self.samples.num_samples // self.layout.global_batch_size
+        if self._config.val.max_batches is not None:
+            num_batches = min(num_batches, self._config.val.max_batches)
+        if num_batches == 0:
+            raise DataError(
+                f"{self.where}: validation holds {self.samples.num_samples} packed samples, fewer than one global "
+                f"batch of {self.layout.global_batch_size}: raise val.fraction, lower val.global_batch_size "
+                "or data.seq_len"
+            )
+        return num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches * self.layout.accumulation_steps
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for step in range(self.num_batches):
+            for micro in range(self.layout.accumulation_steps):
+                position = self.layout.micro_batch_start(step, micro)
+                yield _to_batch(*self.samples.read(position, self.layout.micro_batch_size))
+
+
+@dataclass
+class DataLoaders:
+    """What ``build_loaders`` returns: the loaders and the token facts a model and trainer need."""
+
+    train: TrainLoader
+    val: Optional[ValLoader]
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    entropy_floor: Optional[float] = None  # synthetic only: best achievable loss, nats/token
+    tokenizer: Optional[Tokenizer] = None  # hf only (for decoding)
+    language: Optional[SyntheticLanguage] = None  # synthetic only (its tables)
+
+
+def build_loaders(
+    config: DataConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    micro_batch_size: Optional[int] = None,
+    *,
+    model_vocab_size: Optional[int] = None,
+) -> DataLoaders:
+    """Train and validation loaders for rank ``rank`` of ``world_size``.
+
+    ``micro_batch_size`` defaults to ``global_batch_size // world_size`` (no accumulation). With
+    ``model_vocab_size`` a tokenizer whose ids would not fit the model raises a DataError.
+    """
+    if micro_batch_size is None:
+        micro_batch_size = max(1, config.global_batch_size // world_size)
+    layout = BatchLayout(config.global_batch_size, world_size, rank, micro_batch_size)
+    val_layout = _val_layout(config, layout)
+    if config.source == "synthetic":
+        loaders = _synthetic_loaders(config, layout, val_layout)
+        name = "synthetic"
+    else:
+        loaders = _hf_loaders(config, layout, val_layout)
+        name = loaders.tokenizer.name
+    if model_vocab_size is not None:
+        check_vocab_fits(name, loaders.vocab_size, model_vocab_size)
+    return loaders
+
+
+def _val_layout(config: DataConfig, layout: BatchLayout) -> BatchLayout:
+    """Validation batches use the training micro-batch size (same memory), capped by a smaller val batch."""
+    val_global = config.val.global_batch_size or config.global_batch_size
+    micro = min(layout.micro_batch_size, max(1, val_global // layout.world_size))
+    try:
+        return BatchLayout(val_global, layout.world_size, layout.rank, micro)
+    except ValueError as err:
+        raise ValueError(f"data.val.global_batch_size: {err}") from None
+
+
+def _synthetic_loaders(config: DataConfig, layout: BatchLayout, val_layout: BatchLayout) -> DataLoaders:
+    language = SyntheticLanguage(config.synthetic)
+    tokens, doc_lengths = language.sample(config.synthetic.num_tokens)
+    held_out = holdout_mask_from_index(np.arange(len(doc_lengths)), config.val.holdout_fraction)
+    held_out_tokens = np.repeat(held_out, doc_lengths)
+    width = config.seq_len + 1
+    where = "synthetic corpus"
+    train_tokens = TokenBuffer([tokens[~held_out_tokens]])
+    _check_fills_a_window(train_tokens, width, where)
+    val = None
+    if config.val.enabled:
+        val_tokens = TokenBuffer([tokens[held_out_tokens]])
+        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False)
+    return DataLoaders(
+        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed),
+        val=val,
+        vocab_size=language.vocab_size,
+        eos_id=language.eos_id,
+        pad_id=language.pad_id,
+        entropy_floor=language.entropy_floor,
+        language=language,
+    )
+
+
+class _Part(NamedTuple):
+    """Which documents one loader reads: a split (its files) and a holdout role: "all", "train" or "val"."""
+
+    split: str
+    data_files: Optional[list[str]]
+    role: str
+
+
+def _hf_loaders(config: DataConfig, layout: BatchLayout, val_layout: BatchLayout) -> DataLoaders:
+    hf, val = config.hf, config.val
+    tokenizer = build_tokenizer(config.tokenizer)
+    carve = val.holdout_fraction > 0  # validation documents are held out of the train split by hash
+    train = _Part(hf.split, hf.data_files, "train" if carve else "all")
+    held_out = None
+    if val.split is not None:
+        held_out = _Part(val.split, val.data_files, "all")
+    elif carve:
+        held_out = _Part(hf.split, hf.data_files, "val")
+    build = _streamed_hf if hf.streaming else _indexed_hf
+    train_samples, load_val_tokens = build(config, tokenizer, train, held_out, val_layout)
+    val_loader = None
+    if load_val_tokens is not None:
+        val_loader = ValLoader(load_val_tokens, config, val_layout, describe(hf, *held_out[:2]), lazy=hf.streaming)
+    return DataLoaders(
+        train=TrainLoader(train_samples, layout, config.seed),
+        val=val_loader,
+        vocab_size=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        pad_id=tokenizer.pad_id,
+        tokenizer=tokenizer,
+    )
+
+
+def _indexed_hf(
+    config: DataConfig, tokenizer: Tokenizer, train: _Part, held_out: Optional[_Part], val_layout: BatchLayout
+) -> tuple[SampleSequence, Optional[Callable[[], TokenBuffer]]]:
+    """Map-style: tokenize (cached) both parts up front; train samples are randomly accessed."""
+    hf, fraction = config.hf, config.val.holdout_fraction
+    train_dataset = load_split(hf, train.split, train.data_files)
+    where = describe(hf, train.split, train.data_files)
+    train_tokens = tokenize_dataset(
+        train_dataset, hf, train.data_files, tokenizer, role=train.role, val_fraction=fraction, where=where
+    )
+    _check_fills_a_window(train_tokens, config.seq_len + 1, where)
+    load_val_tokens = None
+    if held_out is not None:
+        val_dataset = train_dataset if held_out.role == "val" else load_split(hf, held_out.split, held_out.data_files)
+        val_tokens = tokenize_dataset(
+            val_dataset, hf, held_out.data_files, tokenizer, role=held_out.role, val_fraction=fraction,
+            where=describe(hf, held_out.split, held_out.data_files),
+        )  # fmt: skip
+        load_val_tokens = lambda: val_tokens  # noqa: E731
+    return IndexedSamples(train_tokens, config.seq_len + 1, config.seed), load_val_tokens
+
+
+def _streamed_hf(
+    config: DataConfig, tokenizer: Tokenizer, train: _Part, held_out: Optional[_Part], val_layout: BatchLayout
+) -> tuple[SampleSequence, Optional[Callable[[], TokenBuffer]]]:
+    """Streaming: train windows are produced while iterating; validation is read into memory on first use."""
+    hf, fraction, seed, width = config.hf, config.val.holdout_fraction, config.seed, config.seq_len + 1
+
+    def open_train_epoch(epoch: int) -> Iterator[np.ndarray]:
+        return stream_tokens(
+            hf, train.split, train.data_files, tokenizer,
+            role=train.role, val_fraction=fraction, seed=seed, epoch=epoch, shuffle=True,
+        )  # fmt: skip
+
+    train_samples = StreamedSamples(open_train_epoch, width, describe(hf, train.split, train.data_files))
+    if held_out is None:
+        return train_samples, None
+    max_batches = config.val.max_batches
+    limit = None if max_batches is None else max_batches * val_layout.global_batch_size
+
+    def load_val_tokens() -> TokenBuffer:
+        val_stream = stream_tokens(
+            hf, held_out.split, held_out.data_files, tokenizer,
+            role=held_out.role, val_fraction=fraction, seed=seed, epoch=0, shuffle=False,
+        )  # fmt: skip
+        return _collect_windows(val_stream, width, limit)
+
+    return train_samples, load_val_tokens
+
+
+def _collect_windows(token_batches: Iterator[np.ndarray], width: int, limit: Optional[int]) -> TokenBuffer:
+    """Read up to ``limit`` packed windows of a stream into memory (validation is read once, then reused)."""
+    blocks, count = [], 0
+    for block in pack_stream(token_batches, width):
+        blocks.append(block.ravel())
+        count += len(block)
+        if limit is not None and count >= limit:
+            break
+    return TokenBuffer(blocks)
+
+
+def _check_fills_a_window(tokens: TokenBuffer, width: int, where: str) -> None:
+    if tokens.num_windows(width) == 0:
+        raise DataError(
+            f"{where} holds {tokens.num_tokens} tokens after tokenization, fewer than one packed sample of "
+            f"seq_len+1={width}: add data or lower data.seq_len"
+        )
