@@ -22,7 +22,8 @@ def _require(condition: bool, message: str) -> None:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer; `moe=None` is a dense model, otherwise `moe.moe_layers` picks the MoE layers."""
+    """A decoder-only transformer; `moe=None` is a dense model, otherwise `moe.first_dense_layers` and
+    `moe.moe_layer_interval` pick the MoE layers."""
 
     vocab_size: int = 258
     d_model: int = 128

@@ -70,9 +70,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_embed = (
-            nn.Embedding(config.max_seq_len, config.d_model) if config.pos_encoding == "learned" else None
-        )
+        self.pos_embed = nn.Embedding(config.max_seq_len, config.d_model) if config.pos_encoding == "learned" else None
         self.embed_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.final_norm = build_norm(config)

@@ -43,6 +43,7 @@ def test_rotation_preserves_norm_and_leaves_position_zero_alone() -> None:
 def test_two_dimensional_seed_example() -> None:
     """Seed 000's script: q=(1,2), k=(3,-1), ω=0.17, m=2, n=7; one pair with θ chosen so ω_0 = 1 → scale angles."""
     q, k = torch.tensor([1.0, 2.0], dtype=torch.float64), torch.tensor([3.0, -1.0], dtype=torch.float64)
+
     # With head_dim 2 the only frequency is θ^0 = 1, so position p rotates by p radians; use positions as angles
     # by comparing against an explicit rotation matrix.
     def matrix(angle: float) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Router: a bias-free linear gives each token E logits (in fp32); they become K expert ids and K gates.
+
+Legend: N tokens, D model width, E experts, K experts per token (top-k).
+
+Aux-loss-free balancing (DeepSeek-V3): a per-expert bias b is added to the scores only to *choose* experts;
+the gates are the unbiased scores of the chosen experts, so b steers load without entering the output.
+b moves by ±rate per optimizer step, towards the experts that received fewer than the mean load.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe.moe_config import RouterConfig
+
+
+class RouterOutput(NamedTuple):
+    topk_ids_NK: torch.Tensor  # int64 expert ids, one row per token
+    gates_NK: torch.Tensor  # weight of each chosen expert's output (router dtype, differentiable)
+    probs_NE: torch.Tensor  # full distribution over experts before top-k: aux loss and entropy
+    logits_NE: torch.Tensor  # raw router logits: z-loss
+
+
+def select_topk(
+    logits_NE: torch.Tensor,
+    *,
+    top_k: int,
+    score_fn: str = "softmax",
+    softmax_after_topk: bool = False,
+    renormalize: bool = True,
+    selection_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn logits into (topk_ids_NK, gates_NK) by the rule in `RouterConfig`'s docstring."""
+    if score_fn == "softmax" and softmax_after_topk:
+        scores_NE = logits_NE  # choose on logits; the softmax comes after, over the K chosen
+    elif score_fn == "softmax":
+        scores_NE = logits_NE.softmax(dim=-1)
+    elif score_fn == "sigmoid":
+        scores_NE = logits_NE.sigmoid()
+    else:
+        raise ValueError(f"score_fn={score_fn!r} is not supported: use 'softmax' or 'sigmoid'")
+
+    choice_NE = scores_NE if selection_bias_E is None else scores_NE + selection_bias_E
+    topk_ids_NK = choice_NE.topk(top_k, dim=-1).indices
+    chosen_NK = scores_NE.gather(1, topk_ids_NK)  # unbiased: the bias never reaches the gates
+
+    if softmax_after_topk:
+        gates_NK = chosen_NK.softmax(dim=-1)
+    elif renormalize:
+        gates_NK = chosen_NK / chosen_NK.sum(dim=-1, keepdim=True)  # 0.6, 0.3 -> 2/3, 1/3
+    else:
+        gates_NK = chosen_NK
+    return topk_ids_NK, gates_NK
+
+
+def balancing_probs(logits_NE: torch.Tensor, score_fn: str = "softmax") -> torch.Tensor:
+    """The per-token distribution over all E experts used by the balancing loss and the entropy statistic.
+
+    softmax: the full softmax before top-k. sigmoid: the scores normalised to sum to one over experts
+    (DeepSeek-V3's sequence-wise balance loss), so that balanced routing still gives Σ_i p_ti = 1.
+    """
+    if score_fn == "softmax":
+        return logits_NE.softmax(dim=-1)
+    scores_NE = logits_NE.sigmoid()
+    return scores_NE / scores_NE.sum(dim=-1, keepdim=True)
+
+
+class TopKRouter(nn.Module):
+    """`weight` [E, D] maps tokens to expert logits; optionally holds the aux-loss-free balancing bias.
+
+    Buffers (only with bias_update_rate > 0; both persistent, so checkpoints resume balancing exactly):
+      expert_bias [E]: the selection bias b.
+      load_since_update [E] (int64): assignments per expert counted by training forwards since the last
+        `update_balancing_bias()`; eval forwards never touch either buffer.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, config: RouterConfig, init_std: float = 0.02):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.config = config
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        self.uses_bias = config.bias_update_rate > 0
+        if self.uses_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+            self.register_buffer("load_since_update", torch.zeros(num_experts, dtype=torch.int64))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, x_ND: torch.Tensor) -> RouterOutput:
+        # Routing decisions flip on tiny logit differences, so they are made in (at least) fp32 even when the
+        # rest of the model runs under bf16 autocast; fp64 inputs stay fp64 (parity tests).
+        router_dtype = torch.promote_types(x_ND.dtype, torch.float32)
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            x_ND = x_ND.to(router_dtype)
+            if self.training and self.config.jitter_eps > 0:
+                eps = self.config.jitter_eps
+                x_ND = x_ND * torch.empty_like(x_ND).uniform_(1.0 - eps, 1.0 + eps)
+            logits_NE = F.linear(x_ND, self.weight.to(router_dtype))
+            topk_ids_NK, gates_NK = select_topk(
+                logits_NE,
+                top_k=self.top_k,
+                score_fn=self.config.score_fn,
+                softmax_after_topk=self.config.softmax_after_topk,
+                renormalize=self.config.renormalize_topk,
+                selection_bias_E=self.expert_bias.to(router_dtype) if self.uses_bias else None,
+            )
+            probs_NE = balancing_probs(logits_NE, self.config.score_fn)
+
+        if self.uses_bias and self.training:
+            with torch.no_grad():
+                self.load_since_update += torch.bincount(topk_ids_NK.flatten(), minlength=self.num_experts)
+        return RouterOutput(topk_ids_NK, gates_NK, probs_NE, logits_NE)
+
+    @torch.no_grad()
+    def update_balancing_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Apply one DeepSeek-V3 bias step from the load counted since the last call, then reset the count.
+
+        Call once per optimizer step (after the last micro-batch), not per forward, so gradient accumulation
+        sees one update per step. Under torch.distributed the counts are first summed over `group` (default:
+        all ranks): every data-parallel replica must apply the same step or their routing drifts apart.
+        """
+        if not self.uses_bias:
+            return
+        load_E = self.load_since_update
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load_E, group=group)
+        if int(load_E.sum()) > 0:
+            load_E = load_E.to(self.expert_bias.dtype)
+            # Overloaded experts (above the mean) lose rate, underloaded ones gain it; exactly average: no change.
+            self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.load_since_update.zero_()
