@@ -5,9 +5,9 @@ Measured, in one process, with a fresh datasets cache:
   jsonl       a generated corpus of >= 50 MB: load (jsonl -> Arrow), tokenize + pack (datasets.map,
               num_proc), batch; byte-level, and a BPE tokenizer trained here on a 5 MB sample
   streaming   the same corpus streamed: tokenize + pack + batch on the fly (what every rank does)
-  model       one optimizer step (forward + backward + AdamW) of the default model (conf/model/moe_tiny.yaml)
-              on the default data (conf/data/synthetic.yaml) at the default micro batch: the trainer's
-              consumption. The goal is pipeline >= 20x this.
+  model       the real trainer: `moe-train` with its defaults (conf/model/moe_tiny.yaml on
+              conf/data/synthetic.yaml), tokens/s from its metrics.jsonl: the trainer's consumption.
+              The goal is pipeline >= 20x this.
 
     .venv/bin/python bench/data_pipeline.py                 # 50 MB corpus, everything
     .venv/bin/python bench/data_pipeline.py --mb 10 --no-bpe --no-model
@@ -173,46 +173,26 @@ def train_bpe(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_mb: fl
 
 
 def bench_model(data_yaml: Path, model_yaml: Path) -> dict:
-    """Tokens/s of forward + backward + AdamW of the default model on the default data, default micro batch."""
-    import torch
-    import torch.nn.functional as F
-    from omegaconf import OmegaConf
+    """Tokens/s the real trainer consumes: `moe-train` with its defaults (the tiny MoE on the synthetic data), as
+    reported in its metrics.jsonl after warm-up — the whole loop, not a bare forward/backward."""
+    import subprocess
 
-    from moe.config import ModelConfig
-    from moe.model import Transformer
-
-    try:
-        from moe_platform.config import TrainerConfig
-
-        micro = TrainerConfig().micro_batch_size
-    except Exception:  # the trainer's config is optional here
-        micro = 8
-    model_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(model_yaml)))
-    data_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.load(data_yaml)))
-    loaders = build_loaders(data_config, micro_batch_size=micro)
-    model = Transformer(model_config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = iter(loaders.train)
-
-    def step() -> None:
-        batch = next(batches)
-        out = model(batch["input_ids"])
-        loss = F.cross_entropy(out.logits.flatten(0, 1), batch["labels"].flatten()) + out.aux_loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(2):  # warm-up
-        step()
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 10.0:
-        step()
-        steps += 1
-    elapsed = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as run_dir:
+        command = [
+            str(Path(sys.executable).parent / "moe-train"),
+            f"hydra.run.dir={run_dir}",
+            "trainer.max_steps=40",
+            "trainer.log_every=10",
+            "trainer.eval_every=0",
+            "trainer.save_final=false",
+            "logging.progress_bar=false",
+        ]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first window includes warm-up
     return {
-        "name": f"model step ({model_yaml.stem}, micro {micro} x seq {data_config.seq_len}, "
-        f"{torch.get_num_threads()} threads)",
-        "batch_tok_s": steps * micro * data_config.seq_len / elapsed,
+        "name": f"trainer (moe-train defaults: {model_yaml.stem} on {data_yaml.stem})",
+        "batch_tok_s": sum(rates) / len(rates),
     }
 
 

@@ -1,56 +1,105 @@
-"""`moe-train`: the main job on the embedded default.
+"""`moe-train`: compose the config with Hydra → validate → build objects in plain Python → `fit()`.
 
-Until the Hydra trainer lands (it replaces this module's `main`), the job is a short, honest CPU smoke: build the
-default model, print the resource ledger, take a few AdamW steps on a fixed batch (the loss must fall), and
-generate from the KV cache.
+    moe-train model=moe_tiny data=synthetic trainer.max_steps=200 trainer.log_every=10 \
+        trainer.save_every=50 resume=auto hydra.run.dir=runs/demo
+    torchrun --nproc_per_node=2 --no-python moe-train distributed=zero2 hydra.run.dir=runs/zero2
+
+Under torchrun every rank runs this Hydra app. Only rank 0 lets Hydra write its .hydra/ files and log, and rank 0's
+output directory is broadcast once the process group exists, so a time-stamped directory that differs by a second
+between ranks cannot split a run.
 """
 
-import argparse
-import time
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
 
-import torch
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-from moe import ModelConfig, MoEConfig, RunShape, Transformer, format_ledger
+from data_pipeline import DataError
+from moe_platform.checkpoint import CheckpointError
+from moe_platform.config import ConfigError, TrainConfig, register_configs, validate_launch, world_size_from_env
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+log = logging.getLogger("moe_platform")
 
 
-def default_model_config(dense: bool) -> ModelConfig:
-    """A tiny MoE model (every other layer routed, top-2 of 4 experts) or its dense twin."""
-    moe = None if dense else MoEConfig(num_experts=4, top_k=2, expert_d_ff=128, moe_layer_interval=2)
-    return ModelConfig(vocab_size=258, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=256, max_seq_len=128,
-                       moe=moe)  # fmt: skip
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The typed, validated config; any ValueError from a component's checks becomes one ConfigError sentence."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except Exception as err:  # OmegaConf wraps the dataclasses' ValueErrors in its own exception types
+        cause = err
+        while cause.__cause__ is not None and not isinstance(cause, ValueError):
+            cause = cause.__cause__
+        message = str(cause).split("\n")[0].strip()
+        raise ConfigError(message) from None
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
-    parser.add_argument("--dense", action="store_true", help="use the dense twin of the default MoE model")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the smoke run")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def agree_on_run_dir(accelerator, own_dir: Path) -> Path:
+    """Rank 0's Hydra output directory, on every rank; a rank's own stray directory is removed if empty."""
+    if accelerator.num_processes == 1:
+        return own_dir
+    from accelerate.utils import broadcast_object_list
 
-    torch.manual_seed(args.seed)
-    config = default_model_config(args.dense)
-    run = RunShape(micro_batch_size=8, seq_len=64, precision="fp32", zero_stage=0, dp_size=1)
-    print(format_ledger(config, run), end="\n\n")
+    shared = broadcast_object_list([str(own_dir)], from_process=0)[0]
+    if not accelerator.is_main_process and Path(shared) != own_dir:
+        try:
+            own_dir.rmdir()
+        except OSError:
+            pass  # not empty, or already gone: leave it
+    return Path(shared)
 
-    model = Transformer(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    batch = torch.randint(0, config.vocab_size, (run.micro_batch_size, run.seq_len + 1))
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        output = model(inputs)
-        lm_loss = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), labels.flatten())
-        (lm_loss + output.aux_loss).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step == 1 or step % 10 == 0 or step == args.steps:
-            tokens_per_s = step * inputs.numel() / (time.perf_counter() - start)
-            print(f"step {step:4d}  lm_loss {lm_loss.item():.4f}  aux_loss {output.aux_loss.item():.4f}  "
-                  f"tokens/s {tokens_per_s:,.0f}")  # fmt: skip
 
-    prompt = inputs[:1, :8]
-    generated = model.generate(prompt, max_new_tokens=16, temperature=0)
-    print(f"\ngreedy continuation of {prompt[0].tolist()}: {generated[0, 8:].tolist()}")
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """The whole job after composition; returns the last logged metrics (tests call this directly)."""
+    from moe_platform.distributed import build_accelerator, has_gpu
+    from moe_platform.trainer import Trainer
+
+    config = to_train_config(cfg)
+    grad_accum = validate_launch(config, world_size_from_env(), has_gpu())
+    accelerator = build_accelerator(config, grad_accum, world_size_from_env())
+    try:
+        run_dir = agree_on_run_dir(accelerator, Path(HydraConfig.get().runtime.output_dir))
+        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        if accelerator.is_main_process:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(config_yaml)
+        trainer = Trainer(config, run_dir, accelerator, grad_accum, config_yaml)
+        return trainer.fit()
+    finally:
+        accelerator.end_training()  # destroys the process group
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except CheckpointError as err:
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except DataError as err:
+        print(f"data error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _quiet_hydra_on_other_ranks() -> None:
+    """Ranks other than 0 must not write .hydra/ or a log file into what may be rank 0's run directory."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    register_configs()
+    _quiet_hydra_on_other_ranks()
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,210 @@
+"""The run's config schema: one small dataclass per component, composed by Hydra, validated before anything runs.
+
+`TrainConfig` nests the model's `ModelConfig` and the data pipeline's `DataConfig` next to the runtime's own
+`OptimConfig`, `DistributedConfig`, `LoggingConfig` and `TrainerConfig`. `register_configs()` puts the schema in
+Hydra's ConfigStore, so every YAML under conf/ is merged onto typed nodes: an unknown or misspelt key is an error
+at composition. Cross-field checks that need the launch (world size, GPU presence) live in `validate_launch`,
+which runs before any process group or allocation.
+"""
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+from data_pipeline import DataConfig
+from moe import ModelConfig
+
+SCHEDULES = ("cosine", "linear", "constant")
+STRATEGIES = ("single", "ddp", "deepspeed")
+PRECISIONS = ("fp32", "bf16")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one sentence naming the field and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine/linear decay to min_lr_ratio·lr, or constant."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"optim.lr={self.lr} must be positive, e.g. 3e-4")
+        _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must lie in [0, 1)")
+        _require(self.eps > 0, f"optim.eps={self.eps} must be positive, e.g. 1e-8")
+        _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _require(self.schedule in SCHEDULES, f"optim.schedule={self.schedule!r} is unknown: use one of {SCHEDULES}")
+        _require(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+
+    def lr_at(self, step: int, max_steps: int) -> float:
+        """Learning rate for optimizer step `step` (0-based): a pure function of the step, so the step alone
+        restores the schedule on resume."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
+        if self.schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay)
+
+
+@dataclass
+class DistributedConfig:
+    """How ranks cooperate: one process, plain DDP, or DeepSpeed ZeRO (stage 0–3, optional CPU offload)."""
+
+    strategy: str = "single"
+    zero_stage: int = 0  # deepspeed only
+    offload_optimizer: bool = False  # deepspeed stage >= 1: optimizer state in host memory
+    offload_params: bool = False  # deepspeed stage 3: parameters in host memory
+    backend: Optional[str] = None  # None: nccl with GPUs, gloo on CPU
+    timeout_s: int = 600
+
+    def __post_init__(self) -> None:
+        _require(
+            self.strategy in STRATEGIES,
+            f"distributed.strategy={self.strategy!r} is unknown: use one of {STRATEGIES}",
+        )
+        _require(self.zero_stage in (0, 1, 2, 3), f"distributed.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.strategy != "deepspeed":
+            _require(
+                self.zero_stage == 0 and not self.offload_optimizer and not self.offload_params,
+                f"distributed.zero_stage/offload need distributed.strategy=deepspeed, not {self.strategy!r}: "
+                "pick distributed=zero1/zero2/zero3/zero3_offload",
+            )
+        _require(
+            not self.offload_optimizer or self.zero_stage >= 1,
+            "distributed.offload_optimizer needs distributed.zero_stage >= 1: raise the stage or drop the offload",
+        )
+        _require(
+            not self.offload_params or self.zero_stage == 3,
+            "distributed.offload_params needs distributed.zero_stage=3: use distributed=zero3_offload",
+        )
+        _require(self.timeout_s > 0, f"distributed.timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass
+class LoggingConfig:
+    """metrics.jsonl is always written; wandb and TensorBoard are opt-in sinks of the same records."""
+
+    wandb: bool = False
+    wandb_project: str = "moe-platform"
+    wandb_mode: Optional[str] = None  # None: wandb's own default (WANDB_MODE); "offline" needs no network
+    tensorboard: bool = False
+    progress_bar: bool = True
+    peak_tflops: Optional[float] = None  # per device, for MFU; None: known GPU table, or a CPU matmul probe
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200  # the schedule's length
+    stop_at: Optional[int] = None  # end this job after this step (checkpointed), schedule unchanged: time slices
+    micro_batch_size: int = 8  # per rank; gradient accumulation = global / (micro · world)
+    precision: str = "fp32"
+    seed: int = 0  # model init, dropout, router jitter (data order has data.seed)
+    log_every: int = 20
+    eval_every: int = 50  # 0 disables periodic eval; a final eval runs when validation is enabled
+    eval_batches: int = 4  # global batches per evaluation
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    save_final: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "log_every", "eval_batches", "keep_last"):
+            value = getattr(self, name)
+            _require(value >= 1, f"trainer.{name}={value} must be >= 1")
+        for name in ("eval_every", "save_every"):
+            value = getattr(self, name)
+            _require(value >= 0, f"trainer.{name}={value} must be >= 0 (0 disables it)")
+        _require(
+            self.stop_at is None or 1 <= self.stop_at <= self.max_steps,
+            f"trainer.stop_at={self.stop_at} must lie in [1, trainer.max_steps={self.max_steps}] or be null",
+        )
+        _require(
+            self.precision in PRECISIONS,
+            f"trainer.precision={self.precision!r} is unsupported: use one of {PRECISIONS} "
+            "(fp16 is left out on purpose: bf16 needs no loss scaling)",
+        )
+
+
+@dataclass
+class TrainConfig:
+    # MISSING, not a default instance: ModelConfig.__post_init__ resolves head_dim/n_kv_heads, and a resolved
+    # default would leak into every model YAML that leaves them unset. The model/ group always supplies it.
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resume: str = "none"  # "none", "auto" (latest complete checkpoint in the run dir, if any), or a path
+
+    def __post_init__(self) -> None:
+        _require(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
+            "lower data.seq_len or raise model.max_seq_len",
+        )
+        _require(
+            self.data.global_batch_size % self.trainer.micro_batch_size == 0,
+            f"data.global_batch_size={self.data.global_batch_size} is not a multiple of trainer.micro_batch_size="
+            f"{self.trainer.micro_batch_size}: make the global batch a multiple of the micro batch",
+        )
+        _require(
+            self.resume == "none" or self.resume == "auto" or bool(self.resume),
+            "resume must be 'none', 'auto' or a checkpoint path",
+        )
+
+
+def world_size_from_env() -> int:
+    """The launcher's world size (torchrun/accelerate/Slurm set WORLD_SIZE), known before any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
+    """Checks that need the launch; returns gradient-accumulation steps = global / (micro · world)."""
+    strategy = config.distributed.strategy
+    _require(
+        not (strategy == "single" and world_size > 1),
+        f"distributed=single but the launcher started {world_size} processes: use distributed=ddp or zero1/2/3",
+    )
+    per_step = config.trainer.micro_batch_size * world_size
+    _require(
+        config.data.global_batch_size % per_step == 0,
+        f"data.global_batch_size={config.data.global_batch_size} is not a multiple of trainer.micro_batch_size × "
+        f"world size = {config.trainer.micro_batch_size} × {world_size}: change the global or micro batch size",
+    )
+    _require(
+        not (config.distributed.offload_params and not has_gpu),
+        "distributed.offload_params moves parameters from GPU to host memory, but there is no GPU: "
+        "use distributed=zero3",
+    )
+    return config.data.global_batch_size // per_step
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore; conf/train.yaml lists `train_schema` first in its defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

@@ -1,0 +1,71 @@
+"""Test helpers that run the real `moe-train` CLI: in one process, or in N gloo processes through torchrun
+on 127.0.0.1. Used by the test suite; importable so that tests in any folder can share them."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+# Seconds-long runs: tiny MoE on a small synthetic corpus, every step logged, no eval unless asked.
+FAST = [
+    "model=moe_tiny",
+    "data=synthetic",
+    "data.synthetic.num_tokens=131072",
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "trainer.micro_batch_size=2",
+    "trainer.max_steps=6",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.save_final=false",
+    "logging.progress_bar=false",
+    "logging.peak_tflops=1.0",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def moe_train(
+    run_dir: Path, *overrides: str, nproc: int = 1, torchrun: bool | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """Run `moe-train`, through torchrun on 127.0.0.1 when nproc > 1 (or torchrun=True); raises AssertionError
+    with the output on failure."""
+    args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    if not (nproc > 1 if torchrun is None else torchrun):
+        command = [str(BIN / "moe-train"), *args]
+    else:
+        command = [
+            str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *args,
+        ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    if result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)}\nexit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(train records by step, eval records by step) from metrics.jsonl; a resumed run appends to the file."""
+    train, evals = {}, {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        (evals if "eval/loss" in record else train)[record["step"]] = record
+    return train, evals

@@ -1,0 +1,301 @@
+"""The training loop. `fit()` is short on purpose: read it to know the order of every step.
+
+Per optimizer step, on every rank:
+  1. set the learning rate for this step (a pure function of the step, so resume needs only the step)
+  2. for each of the `grad_accum` micro-batches: forward → loss = LM loss + Σ per-layer MoE aux losses →
+     backward (Accelerate divides by grad_accum, or DeepSpeed does) → collect the MoE layers' raw counts
+  3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients, clip, and step the optimizer
+  4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks)
+  5. every `log_every` steps: reduce losses and expert statistics over ranks, write one record
+  6. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
+"""
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from data_pipeline import build_loaders
+from moe import RunShape, Transformer, format_ledger, matmul_flops_per_token
+from moe.ledger import training_state_bytes
+from moe.moe_layer import MoEStats, update_balancing_biases
+from moe_platform.checkpoint import Checkpointer, resolve_resume
+from moe_platform.config import TrainConfig
+from moe_platform.distributed import register_moe_leaf_modules
+from moe_platform.metrics import MetricSinks, peak_flops_per_device, reduce_moe_stats
+from moe_platform.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Counters a resume needs besides model, optimizer, RNG and data position (checkpointed by Accelerate)."""
+
+    step: int = 0  # optimizer steps completed
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """torch's AdamW; weight decay only on matrices (embeddings, projections, experts), not on norms or biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    optim = config.optim
+    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+
+class Trainer:
+    def __init__(
+        self, config: TrainConfig, run_dir: Path, accelerator: Accelerator, grad_accum: int, config_yaml: str
+    ) -> None:
+        self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
+        self.grad_accum, self.config_yaml = grad_accum, config_yaml
+        set_seed(config.trainer.seed)  # identical initial weights on every rank
+
+        with accelerator.main_process_first():  # tokenize once; the other ranks read the datasets cache
+            self.data = build_loaders(
+                config.data,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                micro_batch_size=config.trainer.micro_batch_size,
+                model_vocab_size=config.model.vocab_size,
+            )
+        model = Transformer(config.model)
+        if config.distributed.zero_stage == 3:
+            register_moe_leaf_modules(model)
+        self.model, self.optimizer = accelerator.prepare(model, build_optimizer(model, config))
+
+        self.state = TrainState()
+        accelerator.register_for_checkpointing(self.state, self.data.train)
+        layout = {
+            "strategy": config.distributed.strategy,
+            "zero_stage": config.distributed.zero_stage,
+            "world_size": accelerator.num_processes,
+        }
+        self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
+        self.sinks = MetricSinks(self.run_dir, _plain(config), config.logging, accelerator.is_main_process)
+        self.flops_per_token = matmul_flops_per_token(config.model, config.data.seq_len).training
+        self.peak_flops, self.peak_source = peak_flops_per_device(config.logging.peak_tflops)
+        self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        self._resume_if_asked()
+        self._print_start()
+        trainer = self.config.trainer
+        end_step = trainer.stop_at or trainer.max_steps
+        train_batches = iter(self.data.train)
+        last = {}
+        with Progress(trainer.max_steps, self.state.step, enabled=self._show_progress()) as progress:
+            window_start, window_steps, window_stats, window_loss = time.perf_counter(), 0, {}, []
+            while self.state.step < end_step:
+                lm_loss, aux_loss, grad_norm, step_stats = self.train_step(train_batches)
+                self.state.step += 1
+                self.state.tokens_seen += self.tokens_per_step
+                window_steps += 1
+                window_loss.append((lm_loss, aux_loss))
+                window_stats = _add_stats(window_stats, step_stats)
+                if self.state.step % trainer.log_every == 0 or self.state.step == end_step:
+                    elapsed = time.perf_counter() - window_start
+                    last = self._log(window_loss, grad_norm, window_stats, window_steps, elapsed)
+                    progress.update(self.state.step, last)
+                    window_start, window_steps, window_stats, window_loss = time.perf_counter(), 0, {}, []
+                if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
+                    last.update(self._log_eval())
+                if trainer.save_every and self.state.step % trainer.save_every == 0:
+                    self.save()
+        if self.data.val is not None and not (trainer.eval_every and end_step % trainer.eval_every == 0):
+            last.update(self._log_eval())
+        if (trainer.save_final or end_step < trainer.max_steps) and not (
+            trainer.save_every and end_step % trainer.save_every == 0
+        ):
+            self.save()
+        self._print_end(last)
+        self.sinks.close()
+        return last
+
+    def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats]]:
+        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm
+        and the MoE layers' raw counts summed over the micro-batches."""
+        lr = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        lm_losses, aux_losses, stats, grad_norm = [], [], {}, float("nan")
+        for _ in range(self.grad_accum):
+            batch = next(batches)
+            with self.accelerator.accumulate(self.model):
+                output = self.model(batch["input_ids"].to(self.accelerator.device))
+                labels = batch["labels"].to(self.accelerator.device)
+                lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
+                self.accelerator.backward(lm_loss + output.aux_loss)
+                if self.accelerator.sync_gradients:
+                    grad_norm = self._clip_gradients()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            lm_losses.append(lm_loss.detach())
+            aux_losses.append(output.aux_loss.detach().float())
+            stats = _add_stats(stats, _moe_stats(output))
+        update_balancing_biases(self.accelerator.unwrap_model(self.model))
+        return float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean()), grad_norm, stats
+
+    def _clip_gradients(self) -> float:
+        """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
+        max_norm = self.config.optim.grad_clip or math.inf
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        return float(norm) if norm is not None else float("nan")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean token loss over the first `eval_batches` global validation batches (the same ones on any W)."""
+        assert self.data.val is not None
+        self.model.eval()
+        micro_batches = self.config.trainer.eval_batches * self.data.val.layout.accumulation_steps
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        for batch in itertools.islice(self.data.val, micro_batches):
+            logits = self.model(batch["input_ids"].to(self.accelerator.device)).logits
+            labels = batch["labels"].to(self.accelerator.device)
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").double()
+            tokens += labels.numel()
+        self.model.train()
+        totals = self.accelerator.reduce(torch.stack([loss_sum, tokens]), reduction="sum")
+        loss = float(totals[0] / totals[1])
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+    def save(self) -> Path:
+        path = self.checkpointer.save(self.state.step, self.config_yaml)
+        if self.accelerator.is_main_process:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    # ---- helpers ---------------------------------------------------------------------------------------------------
+
+    def _resume_if_asked(self) -> None:
+        path = resolve_resume(self.config.resume, self.run_dir)
+        if path is None:
+            return
+        self.checkpointer.load(path)
+        # Accelerate restores its micro-step counter too; checkpoints sit on optimizer-step boundaries, and with
+        # a different world size the accumulation count differs, so the counter must restart at a boundary.
+        self.accelerator.step = 0
+        if self.accelerator.is_main_process:
+            log.info("resumed from %s at step %d", path, self.state.step)
+
+    def _log(self, window_loss, grad_norm, window_stats, window_steps, elapsed) -> dict[str, Any]:
+        losses = torch.tensor(window_loss, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
+        losses = self.accelerator.reduce(losses, reduction="mean")
+        tokens_per_s = window_steps * self.tokens_per_step / elapsed
+        flops_per_device = self.flops_per_token * tokens_per_s / self.accelerator.num_processes
+        record: dict[str, Any] = {
+            "step": self.state.step,
+            "loss": float(losses[0]),
+            "aux_loss": float(losses[1]),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "mfu": flops_per_device / self.peak_flops if self.peak_flops > 0 else float("nan"),
+            "tokens_seen": self.state.tokens_seen,
+        }
+        record.update(reduce_moe_stats(self.accelerator, window_stats))
+        if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
+            record.update(self._optimizer_state_bytes())
+        self.sinks.write(record)
+        return record
+
+    def _optimizer_state_bytes(self) -> dict[str, Any]:
+        """Measured optimizer-state bytes on every rank (what ZeRO shards) beside the ledger's prediction."""
+        own = sum(
+            t.numel() * t.element_size()
+            for state in self._base_optimizer().state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.ndim > 0  # AdamW's m and v; the scalar step counter is not state bytes
+        )
+        per_rank = self.accelerator.gather(torch.tensor([own], device=self.accelerator.device)).tolist()
+        zero_stage = self.config.distributed.zero_stage if self.config.distributed.strategy == "deepspeed" else 0
+        # AdamW's m and v are fp32 in every precision here: the fp32 row of the ledger (8 B/param) predicts them.
+        predicted = training_state_bytes(
+            self.config.model.num_params(), "fp32", zero_stage, self.accelerator.num_processes
+        ).optimizer
+        return {"memory/optimizer_state_bytes_per_rank": per_rank, "ledger/optimizer_state_bytes_per_rank": predicted}
+
+    def _base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""
+        optimizer = self.optimizer
+        while hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer
+        return optimizer
+
+    def _log_eval(self) -> dict[str, float]:
+        metrics = self.evaluate()
+        self.sinks.write({"step": self.state.step, **metrics})
+        if self.accelerator.is_main_process:
+            log.info("step %d  eval/loss %.4f", self.state.step, metrics["eval/loss"])
+        return metrics
+
+    def _show_progress(self) -> bool:
+        return self.config.logging.progress_bar and self.accelerator.is_main_process
+
+    def _print_start(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        config = self.config
+        run = RunShape(
+            micro_batch_size=config.trainer.micro_batch_size,
+            seq_len=config.data.seq_len,
+            precision=config.trainer.precision,
+            zero_stage=config.distributed.zero_stage if config.distributed.strategy == "deepspeed" else 0,
+            dp_size=self.accelerator.num_processes,
+        )
+        lines = [
+            f"run dir: {self.run_dir}",
+            f"{self.accelerator.num_processes} rank(s), {self.accelerator.distributed_type.value}, "
+            f"device {self.accelerator.device}, {config.trainer.precision}; global batch "
+            f"{config.data.global_batch_size} = micro {config.trainer.micro_batch_size} × accumulation "
+            f"{self.grad_accum} × ranks {self.accelerator.num_processes}",
+            f"MFU denominator: {self.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})",
+        ]
+        if self.data.entropy_floor is not None:
+            lines.append(f"synthetic data entropy floor: {self.data.entropy_floor:.4f} nats/token")
+        print("\n".join(lines) + "\n\n" + format_ledger(config.model, run) + "\n", flush=True)
+
+    def _print_end(self, last: dict[str, Any]) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        line = f"finished step {self.state.step}: train loss {last.get('loss', float('nan')):.4f}"
+        if "eval/loss" in last:
+            line += f", eval loss {last['eval/loss']:.4f}"
+        floor = self.data.entropy_floor
+        if floor is not None and "eval/loss" in last:
+            line += f"; entropy floor {floor:.4f} (eval loss is {100 * (last['eval/loss'] / floor - 1):+.1f}% above)"
+        print(line, flush=True)
+
+
+def _moe_stats(output) -> dict[int, MoEStats]:
+    return {i: out.stats for i, out in enumerate(output.moe_outputs) if out is not None}
+
+
+def _add_stats(total: dict[int, MoEStats], new: dict[int, MoEStats]) -> dict[int, MoEStats]:
+    return {i: total[i] + new[i] if i in total else new[i] for i in new} | {
+        i: s for i, s in total.items() if i not in new
+    }
+
+
+def _plain(config: TrainConfig) -> dict:
+    """The config as nested plain dicts (for wandb's run config)."""
+    return asdict(config)

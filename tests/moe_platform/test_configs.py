@@ -1,0 +1,130 @@
+"""Every option of every config group composes, validates and builds; bad configs fail with one sentence."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from moe import Transformer
+from moe_platform.cli import CONF_DIR, to_train_config
+from moe_platform.config import ConfigError, OptimConfig, TrainConfig, register_configs, validate_launch
+from moe_platform.distributed import deepspeed_config
+
+register_configs()
+GROUPS = ("model", "data", "optim", "distributed", "logging", "experiment")
+# Overrides that make an option runnable beside the defaults of the other groups.
+COMPANIONS = {
+    ("data", "hf_hub"): ["model=moe_small"],  # seq_len 1024 needs a longer max_seq_len than moe_tiny's
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+def compose_config(overrides: list[str]) -> TrainConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return to_train_config(compose("train", overrides=overrides))
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes_validates_and_builds(group: str, option: str) -> None:
+    config = compose_config([f"{group}={option}", *COMPANIONS.get((group, option), [])])
+    assert isinstance(config, TrainConfig)
+    # Build the model: on the meta device (no memory) so the Mixtral/DeepSeek-sized shapes build too.
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    assert config.model.num_params() == sum(p.numel() for p in model.parameters())
+    world = 8 if config.distributed.strategy != "single" else 1
+    micro = config.trainer.micro_batch_size
+    if config.data.global_batch_size % (micro * world) == 0:
+        accum = validate_launch(config, world, has_gpu=config.distributed.offload_params)
+        if config.distributed.strategy == "deepspeed":
+            ds = deepspeed_config(config, accum, world)
+            assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * accum * world
+            assert ds["zero_optimization"]["stage"] == config.distributed.zero_stage
+
+
+def test_the_default_is_the_tiny_moe_on_synthetic_data() -> None:
+    config = compose_config([])
+    assert config.model.moe is not None and config.data.source == "synthetic"
+    assert config.distributed.strategy == "single" and config.resume == "none"
+
+
+def test_shapes_of_the_named_presets() -> None:
+    mixtral = compose_config(["model=mixtral_like"]).model
+    assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.n_kv_heads) == (8, 2, 8)
+    assert 46e9 < mixtral.num_params() < 47.5e9 and 12.5e9 < mixtral.num_active_params() < 13.5e9
+    deepseek = compose_config(["model=deepseek_like"]).model
+    assert deepseek.moe.num_shared_experts == 2 and not deepseek.is_moe_layer(0) and deepseek.is_moe_layer(1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["model.n_kv_heads=3"], "model.n_kv_heads=3"),
+        (["model.moe.top_k=9"], "moe.top_k=9 exceeds moe.num_experts=4"),
+        (["data.seq_len=1000"], "data.seq_len=1000 exceeds model.max_seq_len"),
+        (["data.global_batch_size=30", "trainer.micro_batch_size=4"], "not a multiple of trainer.micro_batch_size"),
+        (["optim.schedule=step"], "optim.schedule='step'"),
+        (["trainer.precision=fp16"], "trainer.precision='fp16'"),
+        (["distributed=ddp", "distributed.zero_stage=2"], "need distributed.strategy=deepspeed"),
+        (["distributed=zero2", "distributed.offload_params=true"], "offload_params needs distributed.zero_stage=3"),
+        (["trainer.stop_at=999"], "trainer.stop_at=999"),
+    ],
+)
+def test_bad_configs_fail_with_one_sentence(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(overrides)
+    assert needle in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_unknown_keys_are_rejected_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"model\.n_head"):
+        compose_config(["model.n_head=4"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "needle"),
+    [
+        ([], 2, "distributed=single but the launcher started 2 processes"),
+        (["distributed=ddp", "data.global_batch_size=32", "trainer.micro_batch_size=8"], 3, "× world size"),
+        (["distributed=zero3_offload"], 2, "there is no GPU"),
+    ],
+)
+def test_launch_checks(overrides: list[str], world: int, needle: str) -> None:
+    config = compose_config(overrides)
+    with pytest.raises(ConfigError, match=needle):
+        validate_launch(config, world, has_gpu=False)
+
+
+def test_global_batch_fixes_the_accumulation_for_any_world_size() -> None:
+    config = compose_config(["distributed=zero2", "data.global_batch_size=64", "trainer.micro_batch_size=4"])
+    for world, accum in ((1, 16), (2, 8), (4, 4), (16, 1)):
+        assert validate_launch(config, world, has_gpu=False) == accum
+        assert deepspeed_config(config, accum, world)["train_batch_size"] == 64
+
+
+def test_deepspeed_config_is_derived_from_ours() -> None:
+    config = compose_config(["distributed=zero3", "trainer.precision=bf16", "optim.grad_clip=0.5"])
+    ds = deepspeed_config(config, grad_accum=2, world_size=2)
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["gradient_clipping"] == 0.5 and ds["zero_optimization"]["stage"] == 3
+    assert ds["gradient_accumulation_steps"] == 2
+
+
+def test_learning_rate_schedules() -> None:
+    cosine = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert cosine.lr_at(0, 100) == pytest.approx(0.1) and cosine.lr_at(9, 100) == pytest.approx(1.0)
+    assert cosine.lr_at(10, 100) == pytest.approx(1.0) and cosine.lr_at(100, 100) == pytest.approx(0.1)
+    assert cosine.lr_at(55, 100) == pytest.approx(0.55)  # halfway through the decay: midpoint of [0.1, 1]
+    linear = OptimConfig(lr=2.0, warmup_steps=0, schedule="linear", min_lr_ratio=0.0)
+    assert linear.lr_at(50, 100) == pytest.approx(1.0)
+    constant = OptimConfig(lr=3.0, warmup_steps=2, schedule="constant")
+    assert [constant.lr_at(s, 10) for s in (0, 1, 2, 9)] == pytest.approx([1.5, 3.0, 3.0, 3.0])
+    lrs = [cosine.lr_at(s, 100) for s in range(10, 101)]
+    assert all(a >= b for a, b in itertools.pairwise(lrs)), "decay is monotone"

@@ -1,0 +1,91 @@
+"""Real multi-process runs: torchrun starts 2 gloo processes on 127.0.0.1, each a real Accelerate/DeepSpeed rank.
+
+Each strategy must reproduce the single-process losses (same global batches, same initial weights; only the
+order of floating-point reductions differs), and ZeRO must really shard: the optimizer state each rank holds is
+measured from the optimizer itself.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from moe_platform.testing import moe_train, read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = range(1, 7)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory) -> tuple[dict, dict]:
+    run_dir = tmp_path_factory.mktemp("single")
+    moe_train(run_dir)
+    return read_metrics(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "engine"),
+    [("ddp", "MULTI_CPU"), ("zero1", "DEEPSPEED"), ("zero2", "DEEPSPEED"), ("zero3", "DEEPSPEED")],
+)
+def test_two_ranks_reproduce_the_single_process_losses(
+    tmp_path: Path, single_process_run, strategy: str, engine: str
+) -> None:
+    result = moe_train(tmp_path, f"distributed={strategy}", nproc=2)
+    assert f"2 rank(s), {engine}" in result.stdout, "really two ranks, really the requested engine"
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+        assert train[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-4), step
+    # Expert statistics are all-reduced: the two ranks' counts add up to the single process's.
+    for layer in range(4):
+        key = f"moe/layer_{layer}/tokens_per_expert"
+        assert sum(train[6][key]) == sum(single[6][key])
+
+    per_rank = train[1]["memory/optimizer_state_bytes_per_rank"]
+    full = single[1]["memory/optimizer_state_bytes_per_rank"][0]
+    assert len(per_rank) == 2
+    if strategy == "ddp":
+        assert per_rank == [full, full], "DDP replicates the optimizer state"
+    else:
+        # ZeRO ≥ 1 partitions m and v: each rank holds half (up to DeepSpeed's alignment padding).
+        for held in per_rank:
+            assert abs(held - full / 2) <= 0.01 * full, (held, full)
+        assert per_rank[0] == pytest.approx(train[1]["ledger/optimizer_state_bytes_per_rank"], rel=0.01)
+
+
+def test_bf16_zero2_trains_close_to_fp32(tmp_path: Path, single_process_run) -> None:
+    moe_train(tmp_path, "distributed=zero2", "trainer.precision=bf16", nproc=2)
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=2e-2), step
+
+
+def test_run_dir_is_shared_and_only_rank_zero_writes(tmp_path: Path) -> None:
+    moe_train(tmp_path, "distributed=ddp", "trainer.save_final=true", nproc=2)
+    train, _ = read_metrics(tmp_path)
+    assert sorted(train) == list(STEPS), "one record per step: rank 1 wrote nothing"
+    assert (tmp_path / "checkpoints" / "step_00000006" / "random_states_1.pkl").is_file()
+
+
+def test_resume_on_a_different_world_size_continues_the_same_samples(tmp_path: Path, single_process_run) -> None:
+    """Three steps on 2 DDP ranks, then resume on 1 process: the losses continue as if nothing happened."""
+    moe_train(tmp_path, "distributed=ddp", "trainer.stop_at=3", nproc=2)
+    moe_train(tmp_path, "resume=auto")
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+
+
+def test_zero_checkpoint_resumes_exactly_and_refuses_another_world_size(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    moe_train(straight, "distributed=zero2", nproc=2)
+    sliced = tmp_path / "sliced"
+    moe_train(sliced, "distributed=zero2", "trainer.stop_at=3", nproc=2)
+    moe_train(sliced, "distributed=zero2", "resume=auto", nproc=2)
+    a, _ = read_metrics(straight)
+    b, _ = read_metrics(sliced)
+    assert [a[s]["loss"] for s in STEPS] == [b[s]["loss"] for s in STEPS]
+    with pytest.raises(AssertionError, match="ZeRO-2 optimizer shards of 2 ranks"):
+        moe_train(sliced, "distributed=zero2", "resume=auto", "trainer.max_steps=8", nproc=1, torchrun=True)
