@@ -100,18 +100,22 @@ def bench_synthetic(seq_len: int, global_batch: int, num_tokens: int) -> dict:
     }
 
 
-def bench_jsonl(corpus: Path, cache: Path, seq_len: int, global_batch: int, num_proc: int, tokenizer) -> dict:
-    import datasets
-
-    hf = HFSourceConfig(path="json", data_files=[str(corpus)], cache_dir=str(cache), num_proc=num_proc)
-    config = DataConfig(
+def jsonl_config(hf: HFSourceConfig, tokenizer: dict, seq_len: int, global_batch: int, val_fraction: float):
+    return DataConfig(
         source="hf",
         hf=hf,
         tokenizer=TokenizerConfig(**tokenizer),
         seq_len=seq_len,
         global_batch_size=global_batch,
-        val=ValConfig(fraction=0.01),
+        val=ValConfig(fraction=val_fraction),
     )
+
+
+def bench_jsonl(corpus: Path, cache: Path, seq_len: int, global_batch: int, num_proc: int, tokenizer) -> dict:
+    import datasets
+
+    hf = HFSourceConfig(path="json", data_files=[str(corpus)], cache_dir=str(cache), num_proc=num_proc)
+    config = jsonl_config(hf, tokenizer, seq_len, global_batch, val_fraction=0.01)
     start = time.perf_counter()
     datasets.load_dataset("json", data_files={"train": [str(corpus)]}, split="train", cache_dir=str(cache))
     load = time.perf_counter() - start
@@ -135,14 +139,7 @@ def bench_jsonl(corpus: Path, cache: Path, seq_len: int, global_batch: int, num_
 
 def bench_streaming(corpus: Path, cache: Path, seq_len: int, global_batch: int, tokenizer) -> dict:
     hf = HFSourceConfig(path="json", data_files=[str(corpus)], cache_dir=str(cache), streaming=True)
-    config = DataConfig(
-        source="hf",
-        hf=hf,
-        tokenizer=TokenizerConfig(**tokenizer),
-        seq_len=seq_len,
-        global_batch_size=global_batch,
-        val=ValConfig(fraction=0.0),
-    )
+    config = jsonl_config(hf, tokenizer, seq_len, global_batch, val_fraction=0.0)
     loaders = build_loaders(config)
     name = "byte-level" if not tokenizer else f"BPE vocab {loaders.vocab_size}"
     return {"name": f"jsonl streaming, {name}", "batch_tok_s": batch_rate(loaders.train, seq_len, seconds=8.0)}

@@ -95,6 +95,15 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
+    def _apply(self, fn, recurse=True):
+        # module.bfloat16() (DeepSpeed's bf16 engine calls it) would round the bias to 8 mantissa bits, where a
+        # 1e-3 step on a bias of 0.5 vanishes; the bias keeps at least fp32 whatever the module's dtype.
+        bias_E = self.expert_bias if self.uses_bias else None
+        super()._apply(fn, recurse)
+        if bias_E is not None and self.expert_bias.dtype != torch.promote_types(self.expert_bias.dtype, bias_E.dtype):
+            self.expert_bias = bias_E.to(self.expert_bias.device)
+        return self
+
     def forward(self, x_ND: torch.Tensor) -> RouterOutput:
         # Routing decisions flip on tiny logit differences, so they are made in (at least) fp32 even when the
         # rest of the model runs under bf16 autocast; fp64 inputs stay fp64 (parity tests).

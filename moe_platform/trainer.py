@@ -116,10 +116,12 @@ class Trainer:
                     last = self._log(window_loss, grad_norm, window_stats, window_steps, elapsed)
                     progress.update(self.state.step, last)
                     window_start, window_steps, window_stats, window_loss = time.perf_counter(), 0, {}, []
+                paused = time.perf_counter()
                 if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
                     last.update(self._log_eval())
                 if trainer.save_every and self.state.step % trainer.save_every == 0:
                     self.save()
+                window_start += time.perf_counter() - paused  # tokens/s and MFU count training time only
         if self.data.val is not None and not (trainer.eval_every and end_step % trainer.eval_every == 0):
             last.update(self._log_eval())
         if (trainer.save_final or end_step < trainer.max_steps) and not (

@@ -215,3 +215,16 @@ def test_data_parallel_ranks_apply_the_same_bias_step_from_the_summed_loads(tmp_
     for rank in range(2):
         bias, load = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
         assert bias == pytest.approx([-0.01, 0.01, 0.0, 0.0]) and load == [0, 0, 0, 0]
+
+
+def test_balancing_bias_keeps_fp32_when_the_module_is_cast_to_bf16() -> None:
+    """A bf16 engine casts every floating buffer; a 1e-3 step on a bias of 0.5 would then round away."""
+    router = TopKRouter(8, 4, 2, RouterConfig(score_fn="sigmoid", bias_update_rate=1e-3))
+    router.expert_bias.fill_(0.5)
+    router.bfloat16()
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    router.load_since_update.copy_(torch.tensor([10, 0, 0, 0]))
+    router.update_balancing_bias()
+    assert router.expert_bias.tolist() == pytest.approx([0.499, 0.501, 0.501, 0.501], abs=1e-7)
+    router.double()
+    assert router.expert_bias.dtype == torch.float64, "promotion to fp64 (parity tests) is still allowed"

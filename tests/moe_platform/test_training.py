@@ -53,6 +53,13 @@ def test_metrics_records_carry_the_documented_keys(tmp_path: Path) -> None:
     assert (tmp_path / "config.yaml").is_file()
 
 
+def test_wandb_and_tensorboard_sinks_receive_the_records(tmp_path: Path) -> None:
+    moe_train(tmp_path, "logging=all", "trainer.max_steps=2")
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard wrote an event file"
+    offline_runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb")), "wandb (offline) wrote its run file"
+
+
 def test_capacity_drops_are_counted_after_summing_micro_batches(tmp_path: Path) -> None:
     moe_train(tmp_path, "model.moe.capacity_factor=0.5", "model.moe.min_capacity=0", "trainer.max_steps=2")
     train, _ = read_metrics(tmp_path)
