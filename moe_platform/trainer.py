@@ -267,6 +267,7 @@ class Trainer:
         lines = [
             f"run dir: {self.run_dir}",
             f"{self.accelerator.num_processes} rank(s), {self.accelerator.distributed_type.value}, "
+            f"model wrapped as {type(self.model).__name__}, "
             f"device {self.accelerator.device}, {config.trainer.precision}; global batch "
             f"{config.data.global_batch_size} = micro {config.trainer.micro_batch_size} × accumulation "
             f"{self.grad_accum} × ranks {self.accelerator.num_processes}",

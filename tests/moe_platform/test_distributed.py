@@ -23,14 +23,19 @@ def single_process_run(tmp_path_factory) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "engine"),
-    [("ddp", "MULTI_CPU"), ("zero1", "DEEPSPEED"), ("zero2", "DEEPSPEED"), ("zero3", "DEEPSPEED")],
+    ("strategy", "engine", "wrapper"),
+    [
+        ("ddp", "MULTI_CPU", "DistributedDataParallel"),
+        ("zero1", "DEEPSPEED", "DeepSpeedEngine"),
+        ("zero2", "DEEPSPEED", "DeepSpeedEngine"),
+        ("zero3", "DEEPSPEED", "DeepSpeedEngine"),
+    ],
 )
 def test_two_ranks_reproduce_the_single_process_losses(
-    tmp_path: Path, single_process_run, strategy: str, engine: str
+    tmp_path: Path, single_process_run, strategy: str, engine: str, wrapper: str
 ) -> None:
     result = moe_train(tmp_path, f"distributed={strategy}", nproc=2)
-    assert f"2 rank(s), {engine}" in result.stdout, "really two ranks, really the requested engine"
+    assert f"2 rank(s), {engine}, model wrapped as {wrapper}" in result.stdout, "two ranks, the requested engine"
     train, _ = read_metrics(tmp_path)
     single, _ = single_process_run
     for step in STEPS:
