@@ -20,7 +20,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from data_pipeline import DataError
-from moe_platform.checkpoint import CheckpointError
+from moe_platform.checkpoint import (
+    CheckpointError,
+    needs_universal_load,
+    read_layout,
+    resolve_resume,
+    sharding_layout,
+)
 from moe_platform.config import ConfigError, TrainConfig, register_configs, validate_launch, world_size_from_env
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -60,15 +66,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from moe_platform.trainer import Trainer
 
     config = to_train_config(cfg)
-    grad_accum = validate_launch(config, world_size_from_env(), has_gpu())
-    accelerator = build_accelerator(config, grad_accum, world_size_from_env())
+    world_size = world_size_from_env()
+    grad_accum = validate_launch(config, world_size, has_gpu())
+    own_dir = Path(HydraConfig.get().runtime.output_dir)
+    resume_from = resolve_resume(config.resume, own_dir)
+    layout = sharding_layout(config.distributed.strategy, config.distributed.zero_stage, world_size)
+    load_universal = resume_from is not None and needs_universal_load(read_layout(resume_from), layout)
+    accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:
-        run_dir = agree_on_run_dir(accelerator, Path(HydraConfig.get().runtime.output_dir))
+        run_dir = agree_on_run_dir(accelerator, own_dir)
         config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(config_yaml)
-        trainer = Trainer(config, run_dir, accelerator, grad_accum, config_yaml)
+        trainer = Trainer(config, run_dir, accelerator, grad_accum, config_yaml, layout, resume_from)
         return trainer.fit()
     finally:
         accelerator.end_training()  # destroys the process group

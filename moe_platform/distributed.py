@@ -25,9 +25,11 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def deepspeed_config(config: TrainConfig, grad_accum: int, world_size: int) -> dict[str, Any]:
+def deepspeed_config(
+    config: TrainConfig, grad_accum: int, world_size: int, load_universal: bool = False
+) -> dict[str, Any]:
     """The DeepSpeed JSON, derived field by field from `config` (ZeRO stage, offload, precision, clipping,
-    accumulation and batch sizes)."""
+    accumulation and batch sizes); `load_universal` when resuming ZeRO shards written by another world size."""
     dist = config.distributed
     zero: dict[str, Any] = {"stage": dist.zero_stage}
     if dist.zero_stage >= 1:
@@ -47,12 +49,15 @@ def deepspeed_config(config: TrainConfig, grad_accum: int, world_size: int) -> d
         "fp16": {"enabled": False},
         # The client optimizer is torch's AdamW; allow it under ZeRO offload too.
         "zero_allow_untested_optimizer": True,
+        "checkpoint": {"load_universal": load_universal},
         "steps_per_print": 10**9,  # our own logger reports; keep DeepSpeed quiet
         "wall_clock_breakdown": False,
     }
 
 
-def build_accelerator(config: TrainConfig, grad_accum: int, world_size: int) -> Accelerator:
+def build_accelerator(
+    config: TrainConfig, grad_accum: int, world_size: int, load_universal: bool = False
+) -> Accelerator:
     """An Accelerator for `distributed.strategy`; on a machine without GPUs everything runs on CPU over gloo."""
     dist = config.distributed
     gpu = has_gpu()
@@ -65,7 +70,7 @@ def build_accelerator(config: TrainConfig, grad_accum: int, world_size: int) -> 
     )
     mixed_precision = "bf16" if config.trainer.precision == "bf16" else "no"
     if dist.strategy == "deepspeed":
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(config, grad_accum, world_size))
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(config, grad_accum, world_size, load_universal))
         accelerator = Accelerator(
             deepspeed_plugin=plugin,
             kwargs_handlers=handlers,

@@ -27,7 +27,7 @@ from data_pipeline import build_loaders
 from moe import RunShape, Transformer, format_ledger, matmul_flops_per_token
 from moe.ledger import training_state_bytes
 from moe.moe_layer import MoEStats, update_balancing_biases
-from moe_platform.checkpoint import Checkpointer, resolve_resume
+from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
 from moe_platform.metrics import MetricSinks, peak_flops_per_device, reduce_moe_stats
@@ -61,10 +61,17 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 class Trainer:
     def __init__(
-        self, config: TrainConfig, run_dir: Path, accelerator: Accelerator, grad_accum: int, config_yaml: str
+        self,
+        config: TrainConfig,
+        run_dir: Path,
+        accelerator: Accelerator,
+        grad_accum: int,
+        config_yaml: str,
+        layout: dict[str, Any],
+        resume_from: Path | None = None,
     ) -> None:
         self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
-        self.grad_accum, self.config_yaml = grad_accum, config_yaml
+        self.grad_accum, self.config_yaml, self.resume_from = grad_accum, config_yaml, resume_from
         set_seed(config.trainer.seed)  # identical initial weights on every rank
 
         with accelerator.main_process_first():  # tokenize once; the other ranks read the datasets cache
@@ -82,11 +89,6 @@ class Trainer:
 
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state, self.data.train)
-        layout = {
-            "strategy": config.distributed.strategy,
-            "zero_stage": config.distributed.zero_stage,
-            "world_size": accelerator.num_processes,
-        }
         self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
         self.sinks = MetricSinks(self.run_dir, _plain(config), config.logging, accelerator.is_main_process)
         self.flops_per_token = matmul_flops_per_token(config.model, config.data.seq_len).training
@@ -189,7 +191,7 @@ class Trainer:
     # ---- helpers ---------------------------------------------------------------------------------------------------
 
     def _resume_if_asked(self) -> None:
-        path = resolve_resume(self.config.resume, self.run_dir)
+        path = self.resume_from
         if path is None:
             return
         self.checkpointer.load(path)

@@ -118,3 +118,27 @@ def test_block_equals_hugging_face_llama_decoder_layer_on_random_hidden_states()
             expected = expected[0]
         actual, _ = ours.blocks[0](x, rope, None, None, None)
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_mixed_dense_and_moe_layers_count_total_and_active_parameters_from_the_modules() -> None:
+    """First layer dense, then MoE every other layer, with a shared expert: the analytic counts equal the real
+    modules — total = every parameter; active = everything except the (E - K) experts a token does not visit."""
+    from moe import MoEConfig, MoELayer
+
+    moe = MoEConfig(num_experts=6, top_k=2, expert_d_ff=24, num_shared_experts=1, first_dense_layers=1,
+                    moe_layer_interval=2)  # fmt: skip
+    config = ModelConfig(vocab_size=40, d_model=16, n_layers=5, n_heads=4, n_kv_heads=2, d_ff=32, moe=moe)
+    model = Transformer(config)
+    kinds = [isinstance(block.ffn, MoELayer) for block in model.blocks]
+    assert kinds == [False, True, False, True, False]
+    assert config.num_params() == real_num_params(model)
+    unvisited = 0
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            per_expert = sum(p.numel() for p in block.ffn.experts.parameters()) // moe.num_experts
+            unvisited += (moe.num_experts - moe.top_k) * per_expert
+    assert config.num_active_params() == real_num_params(model) - unvisited
+    out = model(torch.randint(0, 40, (2, 7)))
+    assert [o is not None for o in out.moe_outputs] == kinds
+    expected_aux = sum(o.aux_loss + o.z_loss for o in out.moe_outputs if o is not None)
+    torch.testing.assert_close(out.aux_loss, expected_aux)

@@ -83,7 +83,7 @@ def test_resume_on_a_different_world_size_continues_the_same_samples(tmp_path: P
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
-def test_zero_checkpoint_resumes_exactly_and_refuses_another_world_size(tmp_path: Path) -> None:
+def test_zero_checkpoint_resumes_exactly_on_the_same_world_size(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     moe_train(straight, "distributed=zero2", nproc=2)
     sliced = tmp_path / "sliced"
@@ -92,5 +92,26 @@ def test_zero_checkpoint_resumes_exactly_and_refuses_another_world_size(tmp_path
     a, _ = read_metrics(straight)
     b, _ = read_metrics(sliced)
     assert [a[s]["loss"] for s in STEPS] == [b[s]["loss"] for s in STEPS]
-    with pytest.raises(AssertionError, match="ZeRO-2 optimizer shards of 2 ranks"):
-        moe_train(sliced, "distributed=zero2", "resume=auto", "trainer.max_steps=8", nproc=1, torchrun=True)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_zero_shards_resume_on_another_world_size(tmp_path: Path, single_process_run, strategy: str) -> None:
+    """Three steps on 2 ZeRO ranks, then 3 more on 1: the shards go through DeepSpeed's universal checkpoint and
+    the losses continue those of the uninterrupted single-process run."""
+    moe_train(tmp_path, f"distributed={strategy}", "trainer.stop_at=3", nproc=2)
+    moe_train(tmp_path, f"distributed={strategy}", "resume=auto", nproc=1, torchrun=True)
+    assert (tmp_path / "checkpoints" / "step_00000003" / "universal").is_dir()
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+
+
+def test_zero_checkpoint_refuses_another_stage_and_zero3_another_world_size(tmp_path: Path) -> None:
+    zero2, zero3 = tmp_path / "zero2", tmp_path / "zero3"
+    moe_train(zero2, "distributed=zero2", "trainer.stop_at=3", nproc=2)
+    with pytest.raises(AssertionError, match="holds ZeRO-2 state but this job runs ZeRO-1"):
+        moe_train(zero2, "distributed=zero1", "resume=auto", nproc=2)
+    moe_train(zero3, "distributed=zero3", "trainer.stop_at=3", nproc=2)
+    with pytest.raises(AssertionError, match="ZeRO-3 resumes on the same world size only"):
+        moe_train(zero3, "distributed=zero3", "resume=auto", nproc=1, torchrun=True)
