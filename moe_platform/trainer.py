@@ -10,6 +10,7 @@ Per optimizer step, on every rank:
   6. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
 """
 
+import contextlib
 import itertools
 import logging
 import math
@@ -48,6 +49,30 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+
+
+class LogWindow:
+    """What happened since the last log line: steps, losses, the last grad norm, MoE counts, training time."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.steps, self.losses, self.grad_norm, self.stats = 0, [], float("nan"), {}
+
+    def add(self, lm_loss: float, aux_loss: float, grad_norm: float, stats: dict[int, MoEStats]) -> None:
+        self.steps += 1
+        self.losses.append((lm_loss, aux_loss))
+        self.grad_norm = grad_norm
+        self.stats = _add_stats(self.stats, stats)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (eval, checkpoints) does not count as training time."""
+        begin = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - begin
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -105,25 +130,20 @@ class Trainer:
         train_batches = iter(self.data.train)
         last = {}
         with Progress(trainer.max_steps, self.state.step, enabled=self._show_progress()) as progress:
-            window_start, window_steps, window_stats, window_loss = time.perf_counter(), 0, {}, []
+            window = LogWindow()
             while self.state.step < end_step:
-                lm_loss, aux_loss, grad_norm, step_stats = self.train_step(train_batches)
+                window.add(*self.train_step(train_batches))
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
-                window_steps += 1
-                window_loss.append((lm_loss, aux_loss))
-                window_stats = _add_stats(window_stats, step_stats)
                 if self.state.step % trainer.log_every == 0 or self.state.step == end_step:
-                    elapsed = time.perf_counter() - window_start
-                    last = self._log(window_loss, grad_norm, window_stats, window_steps, elapsed)
+                    last = self._log(window)
                     progress.update(self.state.step, last)
-                    window_start, window_steps, window_stats, window_loss = time.perf_counter(), 0, {}, []
-                paused = time.perf_counter()
-                if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
-                    last.update(self._log_eval())
-                if trainer.save_every and self.state.step % trainer.save_every == 0:
-                    self.save()
-                window_start += time.perf_counter() - paused  # tokens/s and MFU count training time only
+                    window = LogWindow()
+                with window.paused():  # tokens/s and MFU count training time only
+                    if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
+                        last.update(self._log_eval())
+                    if trainer.save_every and self.state.step % trainer.save_every == 0:
+                        self.save()
         if self.data.val is not None and not (trainer.eval_every and end_step % trainer.eval_every == 0):
             last.update(self._log_eval())
         if (trainer.save_final or end_step < trainer.max_steps) and not (
@@ -201,22 +221,22 @@ class Trainer:
         if self.accelerator.is_main_process:
             log.info("resumed from %s at step %d", path, self.state.step)
 
-    def _log(self, window_loss, grad_norm, window_stats, window_steps, elapsed) -> dict[str, Any]:
-        losses = torch.tensor(window_loss, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
+    def _log(self, window: LogWindow) -> dict[str, Any]:
+        losses = torch.tensor(window.losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
         losses = self.accelerator.reduce(losses, reduction="mean")
-        tokens_per_s = window_steps * self.tokens_per_step / elapsed
+        tokens_per_s = window.steps * self.tokens_per_step / window.elapsed()
         flops_per_device = self.flops_per_token * tokens_per_s / self.accelerator.num_processes
         record: dict[str, Any] = {
             "step": self.state.step,
             "loss": float(losses[0]),
             "aux_loss": float(losses[1]),
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm,
+            "grad_norm": window.grad_norm,
             "tokens_per_s": tokens_per_s,
             "mfu": flops_per_device / self.peak_flops if self.peak_flops > 0 else float("nan"),
             "tokens_seen": self.state.tokens_seen,
         }
-        record.update(reduce_moe_stats(self.accelerator, window_stats))
+        record.update(reduce_moe_stats(self.accelerator, window.stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self._optimizer_state_bytes())
         self.sinks.write(record)
