@@ -3,6 +3,7 @@
     moe-train model=moe_tiny data=synthetic trainer.max_steps=200 trainer.log_every=10 \
         trainer.save_every=50 resume=auto hydra.run.dir=runs/demo
     torchrun --nproc_per_node=2 --no-python moe-train distributed=zero2 hydra.run.dir=runs/zero2
+    accelerate launch --multi_gpu --num_processes 2 -m moe_platform.cli distributed=zero2 hydra.run.dir=runs/zero2
 
 Under torchrun every rank runs this Hydra app. Only rank 0 lets Hydra write its .hydra/ files and log, and rank 0's
 output directory is broadcast once the process group exists, so a time-stamped directory that differs by a second

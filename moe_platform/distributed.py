@@ -87,7 +87,7 @@ def build_accelerator(
     if accelerator.num_processes != world_size:
         raise RuntimeError(
             f"the launcher announced {world_size} processes but Accelerate sees {accelerator.num_processes}: "
-            "launch with torchrun (accelerate launch --cpu starts a single process)"
+            "launch with torchrun or accelerate launch --multi_gpu (accelerate launch --cpu starts a single process)"
         )
     if not gpu and accelerator.is_main_process:
         log.info("no GPU found: running on CPU with the %s backend (%s)", backend, accelerator.distributed_type)

@@ -42,17 +42,24 @@ def subprocess_env() -> dict[str, str]:
 
 
 def moe_train(
-    run_dir: Path, *overrides: str, nproc: int = 1, torchrun: bool | None = None, timeout: int = 300
+    run_dir: Path, *overrides: str, nproc: int = 1, launcher: str | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    """Run `moe-train`, through torchrun on 127.0.0.1 when nproc > 1 (or torchrun=True); raises AssertionError
-    with the output on failure."""
+    """Run `moe-train` directly, or through `launcher` ("torchrun", the default when nproc > 1, or "accelerate")
+    on 127.0.0.1; raises AssertionError with the output on failure."""
     args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
-    if not (nproc > 1 if torchrun is None else torchrun):
+    launcher = launcher or ("torchrun" if nproc > 1 else None)
+    if launcher is None:
         command = [str(BIN / "moe-train"), *args]
-    else:
+    elif launcher == "torchrun":
         command = [
             str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
             f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *args,
+        ]  # fmt: skip
+    else:  # Accelerate's launcher needs --multi_gpu to start N processes, even on CPU (--cpu starts one)
+        command = [
+            str(BIN / "accelerate"), "launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
+            "--mixed_precision=no", "--dynamo_backend=no", "--main_process_ip=127.0.0.1",
+            f"--main_process_port={free_port()}", "-m", "moe_platform.cli", *args,
         ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     if result.returncode != 0:

@@ -58,6 +58,15 @@ def test_two_ranks_reproduce_the_single_process_losses(
         assert per_rank[0] == pytest.approx(train[1]["ledger/optimizer_state_bytes_per_rank"], rel=0.01)
 
 
+def test_accelerate_launch_starts_real_ranks_too(tmp_path: Path, single_process_run) -> None:
+    result = moe_train(tmp_path, "distributed=zero2", nproc=2, launcher="accelerate")
+    assert "2 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+
+
 def test_bf16_zero2_trains_close_to_fp32(tmp_path: Path, single_process_run) -> None:
     moe_train(tmp_path, "distributed=zero2", "trainer.precision=bf16", nproc=2)
     train, _ = read_metrics(tmp_path)
@@ -99,7 +108,7 @@ def test_zero_shards_resume_on_another_world_size(tmp_path: Path, single_process
     """Three steps on 2 ZeRO ranks, then 3 more on 1: the shards go through DeepSpeed's universal checkpoint and
     the losses continue those of the uninterrupted single-process run."""
     moe_train(tmp_path, f"distributed={strategy}", "trainer.stop_at=3", nproc=2)
-    moe_train(tmp_path, f"distributed={strategy}", "resume=auto", nproc=1, torchrun=True)
+    moe_train(tmp_path, f"distributed={strategy}", "resume=auto", nproc=1, launcher="torchrun")
     assert (tmp_path / "checkpoints" / "step_00000003" / "universal").is_dir()
     train, _ = read_metrics(tmp_path)
     single, _ = single_process_run
@@ -114,4 +123,4 @@ def test_zero_checkpoint_refuses_another_stage_and_zero3_another_world_size(tmp_
         moe_train(zero2, "distributed=zero1", "resume=auto", nproc=2)
     moe_train(zero3, "distributed=zero3", "trainer.stop_at=3", nproc=2)
     with pytest.raises(AssertionError, match="ZeRO-3 resumes on the same world size only"):
-        moe_train(zero3, "distributed=zero3", "resume=auto", nproc=1, torchrun=True)
+        moe_train(zero3, "distributed=zero3", "resume=auto", nproc=1, launcher="torchrun")
