@@ -62,7 +62,7 @@ def test_init_uses_init_std() -> None:
 
 
 def _llama_pair(n_heads: int, n_kv_heads: int):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the dev extra installs it: a missing reference must fail, not skip
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
     config = ModelConfig(
