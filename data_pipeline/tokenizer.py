@@ -136,12 +136,21 @@ def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
     if os.path.isfile(path):
         import tokenizers
 
-        backend = tokenizers.Tokenizer.from_file(path)
+        try:
+            backend = tokenizers.Tokenizer.from_file(path)
+        except Exception as exc:  # a corrupt or foreign file: say which, not a Rust parse trace
+            raise DataError(f"tokenizer file {path!r} could not be read ({exc}): give a tokenizer.json") from exc
         default_eos, default_pad = None, None
     else:
         import transformers
 
-        auto = transformers.AutoTokenizer.from_pretrained(path)
+        try:
+            auto = transformers.AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # not on disk, and no network or no such hub name
+            raise DataError(
+                f"tokenizer {path!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}): "
+                "give a local directory or tokenizer.json, or a hub name reachable from this machine"
+            ) from exc
         if not auto.is_fast:
             raise DataError(f"tokenizer {path!r} has no fast (Rust) backend: convert it to a tokenizer.json")
         backend = auto.backend_tokenizer

@@ -119,3 +119,14 @@ def test_streamed_validation_is_read_at_first_use_and_reports_bad_rows_then(tmp_
     loaders = build_loaders(DataConfig(source="hf", hf=hf, val=ValConfig(fraction=0.5), seq_len=7), 0, 1)
     with pytest.raises(DataError, match=re.escape(f"{bad}, row 5 (0-based)")):
         list(loaders.val)
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_a_data_error(tmp_path):
+    from data_pipeline import TokenizerConfig, build_tokenizer
+
+    with pytest.raises(DataError, match="could not be loaded"):
+        build_tokenizer(TokenizerConfig(name_or_path=str(tmp_path / "no-such-tokenizer")))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(DataError, match="could not be read"):
+        build_tokenizer(TokenizerConfig(name_or_path=str(broken)))
