@@ -41,32 +41,44 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+PORT_TAKEN = ("Address already in use", "EADDRINUSE", "DistNetworkError")
+
+
 def moe_train(
     run_dir: Path, *overrides: str, nproc: int = 1, launcher: str | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:
     """Run `moe-train` directly, or through `launcher` ("torchrun", the default when nproc > 1, or "accelerate")
-    on 127.0.0.1; raises AssertionError with the output on failure."""
+    on 127.0.0.1; raises AssertionError with the output on failure. A free port can be taken by another process
+    between choosing and binding it, so a launch that fails on its port is retried once on a new one."""
     args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
     launcher = launcher or ("torchrun" if nproc > 1 else None)
-    if launcher is None:
-        command = [str(BIN / "moe-train"), *args]
-    elif launcher == "torchrun":
-        command = [
-            str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *args,
-        ]  # fmt: skip
-    else:  # Accelerate's launcher needs --multi_gpu to start N processes, even on CPU (--cpu starts one)
-        command = [
-            str(BIN / "accelerate"), "launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
-            "--mixed_precision=no", "--dynamo_backend=no", "--main_process_ip=127.0.0.1",
-            f"--main_process_port={free_port()}", "-m", "moe_platform.cli", *args,
-        ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    for attempt in range(2):
+        command = _launch_command(launcher, nproc, args)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+        port_taken = any(marker in result.stderr for marker in PORT_TAKEN)
+        if result.returncode == 0 or not port_taken or attempt == 1:
+            break
     if result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)}\nexit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[str]:
+    if launcher is None:
+        return [str(BIN / "moe-train"), *args]
+    if launcher == "torchrun":
+        return [
+            str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *args,
+        ]  # fmt: skip
+    # Accelerate's launcher needs --multi_gpu to start N processes, even on CPU (--cpu starts one).
+    return [
+        str(BIN / "accelerate"), "launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
+        "--mixed_precision=no", "--dynamo_backend=no", "--main_process_ip=127.0.0.1",
+        f"--main_process_port={free_port()}", "-m", "moe_platform.cli", *args,
+    ]  # fmt: skip
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
