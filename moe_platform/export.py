@@ -17,14 +17,17 @@ from moe_platform.cli import to_train_config
 from moe_platform.config import TrainConfig
 
 
-def load_exported_model(checkpoint: Path) -> Transformer:
-    """The model of a checkpoint with its consolidated fp32 weights (strict load: nothing missing or extra)."""
+def load_checkpoint_config(checkpoint: Path) -> TrainConfig:
+    """The validated run config saved beside a checkpoint's state."""
     config_path = Path(checkpoint) / "config.yaml"
     if not config_path.is_file():
         raise CheckpointError(f"{checkpoint} has no config.yaml: it is not a complete moe-platform checkpoint")
-    schema = OmegaConf.structured(TrainConfig)
-    config = to_train_config(OmegaConf.merge(schema, OmegaConf.load(config_path)))
-    model = Transformer(config.model)
+    return to_train_config(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(config_path)))
+
+
+def load_exported_model(checkpoint: Path) -> Transformer:
+    """The model of a checkpoint with its consolidated fp32 weights (strict load: nothing missing or extra)."""
+    model = Transformer(load_checkpoint_config(checkpoint).model)
     model.load_state_dict(export_fp32_state_dict(Path(checkpoint)), strict=True)
     return model
 

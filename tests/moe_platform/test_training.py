@@ -7,13 +7,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from data_pipeline import build_loaders
 from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
-from moe_platform.cli import to_train_config
-from moe_platform.config import TrainConfig
-from moe_platform.export import load_exported_model
+from moe_platform.export import load_checkpoint_config, load_exported_model
 from moe_platform.testing import BIN, moe_train, read_metrics, subprocess_env
 
 
@@ -94,9 +91,7 @@ def test_keep_last_and_latest_pointer(tmp_path: Path) -> None:
 
 def exported_eval_loss(checkpoint: Path) -> float:
     """Recompute the run's eval loss from the exported weights on the same validation batches."""
-    config = to_train_config(
-        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(checkpoint / "config.yaml"))
-    )
+    config = load_checkpoint_config(checkpoint)
     model = load_exported_model(checkpoint).eval()
     val = build_loaders(config.data, 0, 1, config.trainer.micro_batch_size).val
     loss_sum, tokens = 0.0, 0
