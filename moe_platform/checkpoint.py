@@ -31,6 +31,7 @@ from accelerate import Accelerator
 CHECKPOINT_DIRNAME = "checkpoints"
 LATEST = "latest"
 LAYOUT = "layout.json"
+DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate gives DeepSpeed's save_checkpoint
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -107,15 +108,17 @@ class Checkpointer:
         return universal
 
 
-DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate gives DeepSpeed's save_checkpoint
-
-
 def sharding_layout(strategy: str, zero_stage: int, world_size: int) -> dict[str, Any]:
     return {"strategy": strategy, "zero_stage": zero_stage, "world_size": world_size}
 
 
+def is_complete(path: Path) -> bool:
+    """config.yaml and layout.json are written last, just before the rename: both present means complete."""
+    return (path / "config.yaml").is_file() and (path / LAYOUT).is_file()
+
+
 def read_layout(path: Path) -> dict[str, Any]:
-    if not (path / "config.yaml").is_file() or not (path / LAYOUT).is_file():
+    if not is_complete(path):
         raise CheckpointError(
             f"{path} is not a complete checkpoint (config.yaml or {LAYOUT} missing): pick another or resume=none"
         )
@@ -169,9 +172,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = root / LATEST
     if pointer.is_file():
         named = root / pointer.read_text().strip()
-        if named.is_dir() and (named / LAYOUT).is_file():
+        if is_complete(named):
             return named
-    complete = [p for p in complete_checkpoints(root) if (p / LAYOUT).is_file()]
+    complete = [p for p in complete_checkpoints(root) if is_complete(p)]
     return complete[-1] if complete else None
 
 
@@ -195,11 +198,10 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict of the whole model, whether the checkpoint holds ZeRO shards or a plain model file."""
     checkpoint = Path(checkpoint)
-    deepspeed_dir = checkpoint / "pytorch_model"
-    if deepspeed_dir.is_dir():
+    if (checkpoint / DEEPSPEED_TAG).is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="pytorch_model")
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_TAG)
     elif (checkpoint / "model.safetensors").is_file():
         from safetensors.torch import load_file
 

@@ -31,7 +31,6 @@ from moe_platform.checkpoint import (
 from moe_platform.config import ConfigError, TrainConfig, register_configs, validate_launch, world_size_from_env
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-log = logging.getLogger("moe_platform")
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -62,7 +61,7 @@ def agree_on_run_dir(accelerator, own_dir: Path) -> Path:
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
-    """The whole job after composition; returns the last logged metrics (tests call this directly)."""
+    """The whole job after composition; returns the last logged metrics."""
     from moe_platform.distributed import build_accelerator, has_gpu
     from moe_platform.trainer import Trainer
 
@@ -90,14 +89,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except CheckpointError as err:
-        print(f"checkpoint error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except DataError as err:
-        print(f"data error: {err}", file=sys.stderr)
+    except (ConfigError, CheckpointError, DataError) as err:  # bad input: one sentence, no trace
+        kind = {ConfigError: "config", CheckpointError: "checkpoint"}.get(type(err), "data")
+        print(f"{kind} error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -115,7 +115,7 @@ class Trainer:
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state, self.data.train)
         self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
-        self.sinks = MetricSinks(self.run_dir, _plain(config), config.logging, accelerator.is_main_process)
+        self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
         self.flops_per_token = matmul_flops_per_token(config.model, config.data.seq_len).training
         self.peak_flops, self.peak_source = peak_flops_per_device(config.logging.peak_tflops)
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
@@ -251,7 +251,8 @@ class Trainer:
             if torch.is_tensor(t) and t.ndim > 0  # AdamW's m and v; the scalar step counter is not state bytes
         )
         per_rank = self.accelerator.gather(torch.tensor([own], device=self.accelerator.device)).tolist()
-        zero_stage = self.config.distributed.zero_stage if self.config.distributed.strategy == "deepspeed" else 0
+        # DistributedConfig holds zero_stage at 0 unless the strategy is deepspeed.
+        zero_stage = self.config.distributed.zero_stage
         # AdamW's m and v are fp32 in every precision here: the fp32 row of the ledger (8 B/param) predicts them.
         predicted = training_state_bytes(
             self.config.model.num_params(), "fp32", zero_stage, self.accelerator.num_processes
@@ -283,7 +284,7 @@ class Trainer:
             micro_batch_size=config.trainer.micro_batch_size,
             seq_len=config.data.seq_len,
             precision=config.trainer.precision,
-            zero_stage=config.distributed.zero_stage if config.distributed.strategy == "deepspeed" else 0,
+            zero_stage=config.distributed.zero_stage,
             dp_size=self.accelerator.num_processes,
         )
         lines = [
@@ -316,11 +317,8 @@ def _moe_stats(output) -> dict[int, MoEStats]:
 
 
 def _add_stats(total: dict[int, MoEStats], new: dict[int, MoEStats]) -> dict[int, MoEStats]:
-    return {i: total[i] + new[i] if i in total else new[i] for i in new} | {
-        i: s for i, s in total.items() if i not in new
-    }
-
-
-def _plain(config: TrainConfig) -> dict:
-    """The config as nested plain dicts (for wandb's run config)."""
-    return asdict(config)
+    """Per-layer raw counts, summed layer by layer."""
+    merged = dict(total)
+    for layer, stats in new.items():
+        merged[layer] = merged[layer] + stats if layer in merged else stats
+    return merged
