@@ -5,7 +5,7 @@ for batch layout and resume semantics, ``synthetic`` for the default corpus and 
 ``hf_source`` for Hugging Face datasets, ``packing`` for how documents become windows.
 """
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataConfigError, DataError
 from data_pipeline.hf_source import HFSourceConfig
 from data_pipeline.loader import DataConfig, DataLoaders, TrainLoader, ValConfig, ValLoader, build_loaders
 from data_pipeline.order import BatchLayout
@@ -17,6 +17,7 @@ __all__ = [
     "BatchLayout",
     "ByteTokenizer",
     "DataConfig",
+    "DataConfigError",
     "DataError",
     "DataLoaders",
     "HFSourceConfig",

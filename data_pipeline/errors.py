@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+class DataConfigError(ValueError):
+    """A data config that cannot work (a field out of range, fields that contradict each other); one sentence
+    naming the field and the fix. Separate from DataError so callers can tell a user's mistake from a bug."""
+
+
 class DataError(ValueError):
     """The input data cannot be turned into token batches; the message names the file/row and a fix."""
 

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import pyarrow as pa
 
-from data_pipeline.errors import BadRowError, DataError
+from data_pipeline.errors import BadRowError, DataConfigError, DataError
 from data_pipeline.holdout import holdout_mask_from_bytes
 from data_pipeline.packing import TokenBuffer
 from data_pipeline.tokenizer import Tokenizer, string_buffers, token_dtype
@@ -57,17 +57,17 @@ class HFSourceConfig:
 
     def __post_init__(self) -> None:
         if self.num_proc is not None and self.num_proc < 1:
-            raise ValueError(f"hf.num_proc={self.num_proc} must be >= 1 or null")
+            raise DataConfigError(f"hf.num_proc={self.num_proc} must be >= 1 or null")
         if self.streaming and self.num_proc is not None:
-            raise ValueError("hf.num_proc is unused when hf.streaming=true: remove it")
+            raise DataConfigError("hf.num_proc is unused when hf.streaming=true: remove it")
         if self.map_batch_size < 1:
-            raise ValueError(f"hf.map_batch_size={self.map_batch_size} must be >= 1")
+            raise DataConfigError(f"hf.map_batch_size={self.map_batch_size} must be >= 1")
         if self.shuffle_buffer is not None and self.shuffle_buffer < 0:
-            raise ValueError(f"hf.shuffle_buffer={self.shuffle_buffer} must be >= 0")
+            raise DataConfigError(f"hf.shuffle_buffer={self.shuffle_buffer} must be >= 0")
         if not self.streaming and self.shuffle_buffer is not None:
-            raise ValueError("hf.shuffle_buffer only applies with hf.streaming=true (map-style shuffles samples)")
+            raise DataConfigError("hf.shuffle_buffer only applies with hf.streaming=true (map-style shuffles samples)")
         if not self.text_field:
-            raise ValueError("hf.text_field must name the column that holds the documents")
+            raise DataConfigError("hf.text_field must name the column that holds the documents")
 
     @property
     def documents_in_shuffle_buffer(self) -> int:

@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataConfigError, DataError
 from data_pipeline.hf_source import HFSourceConfig, describe, load_split, stream_tokens, tokenize_dataset
 from data_pipeline.holdout import holdout_mask_from_index
 from data_pipeline.order import BatchLayout, IndexedSamples, SampleSequence, StreamedSamples
@@ -62,17 +62,17 @@ class ValConfig:
 
     def __post_init__(self) -> None:
         if self.fraction is not None and not 0.0 <= self.fraction < 1.0:
-            raise ValueError(f"val.fraction={self.fraction} must be in [0, 1)")
+            raise DataConfigError(f"val.fraction={self.fraction} must be in [0, 1)")
         if self.split is not None and self.fraction is not None:
-            raise ValueError(
+            raise DataConfigError(
                 f"val.fraction is unused when val.split={self.split!r} is given: set one of them, the other to null"
             )
         if self.data_files is not None and self.split is None:
-            raise ValueError("val.data_files needs val.split (the split those files hold)")
+            raise DataConfigError("val.data_files needs val.split (the split those files hold)")
         if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise ValueError(f"val.global_batch_size={self.global_batch_size} must be >= 1")
+            raise DataConfigError(f"val.global_batch_size={self.global_batch_size} must be >= 1")
         if self.max_batches is not None and self.max_batches < 1:
-            raise ValueError(f"val.max_batches={self.max_batches} must be >= 1 or null")
+            raise DataConfigError(f"val.max_batches={self.max_batches} must be >= 1 or null")
 
     @property
     def holdout_fraction(self) -> float:
@@ -101,31 +101,39 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise ValueError(f"data.source={self.source!r} must be one of {SOURCES}")
+            raise DataConfigError(f"data.source={self.source!r} must be one of {SOURCES}")
         if self.source == "synthetic":
             if self.hf != HFSourceConfig():
-                raise ValueError("data.hf is set but data.source='synthetic': set data.source=hf or remove data.hf")
+                raise DataConfigError(
+                    "data.hf is set but data.source='synthetic': set data.source=hf or remove data.hf"
+                )
             if self.tokenizer != TokenizerConfig():
-                raise ValueError("data.tokenizer is unused by data.source='synthetic' (it emits token ids): remove it")
+                raise DataConfigError(
+                    "data.tokenizer is unused by data.source='synthetic' (it emits token ids): remove it"
+                )
             if self.val.split is not None:
-                raise ValueError("data.val.split needs data.source=hf; the synthetic source holds out val.fraction")
+                raise DataConfigError(
+                    "data.val.split needs data.source=hf; the synthetic source holds out val.fraction"
+                )
         else:
             if self.synthetic != SyntheticConfig():
-                raise ValueError("data.synthetic is set but data.source='hf': set data.source=synthetic or remove it")
+                raise DataConfigError(
+                    "data.synthetic is set but data.source='hf': set data.source=synthetic or remove it"
+                )
             if not self.hf.path:
-                raise ValueError(
+                raise DataConfigError(
                     "data.hf.path is empty: name a hub dataset, a local directory, or 'json'/'parquet'/'text'"
                 )
             if self.val.split is not None and self.hf.data_files and not self.val.data_files:
-                raise ValueError(
+                raise DataConfigError(
                     "data.val.split with data.hf.data_files needs data.val.data_files (that split's files)"
                 )
         if self.seq_len < 1:
-            raise ValueError(f"data.seq_len={self.seq_len} must be >= 1")
+            raise DataConfigError(f"data.seq_len={self.seq_len} must be >= 1")
         if self.global_batch_size < 1:
-            raise ValueError(f"data.global_batch_size={self.global_batch_size} must be >= 1")
+            raise DataConfigError(f"data.global_batch_size={self.global_batch_size} must be >= 1")
         if self.seed < 0:
-            raise ValueError(f"data.seed={self.seed} must be >= 0")
+            raise DataConfigError(f"data.seed={self.seed} must be >= 0")
 
 
 def _to_batch(sample_ids: np.ndarray, windows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -300,7 +308,7 @@ def _val_layout(config: DataConfig, layout: BatchLayout) -> BatchLayout:
     try:
         return BatchLayout(val_global, layout.world_size, layout.rank, micro)
     except ValueError as err:
-        raise ValueError(f"data.val.global_batch_size: {err}") from None
+        raise DataConfigError(f"data.val.global_batch_size: {err}") from None
 
 
 def _synthetic_loaders(config: DataConfig, layout: BatchLayout, val_layout: BatchLayout) -> DataLoaders:

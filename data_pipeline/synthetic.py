@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_pipeline.errors import DataConfigError
+
 PROB_DENOMINATOR = 256  # transition probabilities are multiples of 1/256: exact sampling by table lookup
 _DOCS_PER_CHUNK = 8192  # generation unit; fixed so the corpus is the same whatever num_tokens is asked for
 _MAX_SYMBOLS_PER_DOMAIN = 4096  # the floor solves one dense Sd×Sd system per domain
@@ -58,27 +60,29 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         if self.num_domains < 1:
-            raise ValueError(f"synthetic.num_domains={self.num_domains} must be >= 1")
+            raise DataConfigError(f"synthetic.num_domains={self.num_domains} must be >= 1")
         if not 1 <= self.symbols_per_domain <= _MAX_SYMBOLS_PER_DOMAIN:
-            raise ValueError(
+            raise DataConfigError(
                 f"synthetic.symbols_per_domain={self.symbols_per_domain} must be in [1, {_MAX_SYMBOLS_PER_DOMAIN}]"
             )
         if self.num_domains * self.symbols_per_domain + 2 > 2**16:
-            raise ValueError(
+            raise DataConfigError(
                 f"synthetic vocab num_domains*symbols_per_domain+2="
                 f"{self.num_domains * self.symbols_per_domain + 2} exceeds 65536: use fewer domains or symbols"
             )
         if not 1 <= self.branching <= min(self.symbols_per_domain, PROB_DENOMINATOR):
-            raise ValueError(
+            raise DataConfigError(
                 f"synthetic.branching={self.branching} must be in [1, min(symbols_per_domain, "
                 f"{PROB_DENOMINATOR})]: lower branching or raise symbols_per_domain"
             )
         if not self.mean_doc_len >= 1.0:
-            raise ValueError(f"synthetic.mean_doc_len={self.mean_doc_len} must be >= 1 (documents hold >= 1 symbol)")
+            raise DataConfigError(
+                f"synthetic.mean_doc_len={self.mean_doc_len} must be >= 1 (documents hold >= 1 symbol)"
+            )
         if self.num_tokens < 1:
-            raise ValueError(f"synthetic.num_tokens={self.num_tokens} must be >= 1")
+            raise DataConfigError(f"synthetic.num_tokens={self.num_tokens} must be >= 1")
         if self.seed < 0:
-            raise ValueError(f"synthetic.seed={self.seed} must be >= 0")
+            raise DataConfigError(f"synthetic.seed={self.seed} must be >= 0")
 
 
 class SyntheticLanguage:

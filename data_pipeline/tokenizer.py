@@ -16,7 +16,7 @@ from typing import Optional, Protocol
 import numpy as np
 import pyarrow as pa
 
-from data_pipeline.errors import DataError
+from data_pipeline.errors import DataConfigError, DataError
 
 
 @dataclass
@@ -29,7 +29,7 @@ class TokenizerConfig:
 
     def __post_init__(self) -> None:
         if self.name_or_path is None and (self.eos_token is not None or self.pad_token is not None):
-            raise ValueError(
+            raise DataConfigError(
                 "tokenizer.eos_token/pad_token only apply to a Hugging Face tokenizer: set tokenizer.name_or_path "
                 "or remove them (byte-level uses EOS=256, PAD=257)"
             )

@@ -1,15 +1,14 @@
 """moe: the model library — decoder-only transformer, top-k routed expert layers, resource ledger. No I/O."""
 
 from moe.attention import Attention, build_attention_mask, grouped_attention
-from moe.config import ModelConfig
+from moe.config import ModelConfig, ParameterCount, count_parameters
+from moe.errors import ModelConfigError
 from moe.ffn import FeedForward
 from moe.kv_cache import KVCache
 from moe.ledger import (
     FlopsPerToken,
-    ParameterCount,
     RunShape,
     TrainingStateBytes,
-    count_parameters,
     format_ledger,
     kv_cache_bytes,
     matmul_flops_per_token,
@@ -28,6 +27,7 @@ __all__ = [
     "MoELayer",
     "MoEOutput",
     "ModelConfig",
+    "ModelConfigError",
     "ModelOutput",
     "ParameterCount",
     "RunShape",

@@ -1,13 +1,15 @@
 """`ModelConfig`: the shape of a decoder-only transformer, validated once at construction.
 
-Every check raises ValueError with one sentence that names the field and the fix, so a bad Hydra override
-fails at start-up instead of deep inside a matmul. Types are plain (int/float/str/bool/Optional) so Hydra's
-ConfigStore can hold the dataclass as a structured config.
+Every check raises ModelConfigError (a ValueError) with one sentence that names the field and the fix, so a bad
+Hydra override fails at start-up instead of deep inside a matmul. Types are plain (int/float/str/bool/Optional)
+so Hydra's ConfigStore can hold the dataclass as a structured config.
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
+from moe.errors import ModelConfigError
+from moe.ffn import ffn_num_params
 from moe.moe_config import MoEConfig
 
 POS_ENCODINGS = ("learned", "rope")
@@ -17,7 +19,7 @@ ACTIVATIONS = ("gelu", "swiglu")
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
-        raise ValueError(message)
+        raise ModelConfigError(message)
 
 
 @dataclass
@@ -87,6 +89,12 @@ class ModelConfig:
         _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must lie in [0, 1)")
         _require(self.init_std > 0, f"model.init_std={self.init_std} must be positive, e.g. 0.02")
+        if self.moe is not None:
+            _require(
+                self.moe.first_dense_layers < self.n_layers,
+                f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer in a {self.n_layers}-layer "
+                "model: lower first_dense_layers or set model.moe=null for a dense model",
+            )
 
     @property
     def group_size(self) -> int:
@@ -98,12 +106,59 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Total parameters, computed from the config alone (a test checks it against the real module)."""
-        from moe.ledger import count_parameters
-
         return count_parameters(self).total
 
     def num_active_params(self) -> int:
         """Parameters touched by one token: MoE layers count only the router, top-k experts and shared experts."""
-        from moe.ledger import count_parameters
-
         return count_parameters(self).active
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    embedding: int  # token embedding + learned positions (+ untied output matrix, counted separately below)
+    lm_head: int  # 0 when tied to the embedding
+    attention: int  # all layers
+    ffn_total: int  # all dense FFNs + all experts, routers and shared experts
+    ffn_active: int  # what one token touches: dense FFNs + per MoE layer router, top-k experts, shared experts
+    norms: int
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.attention + self.ffn_total + self.norms
+
+    @property
+    def active(self) -> int:
+        return self.embedding + self.lm_head + self.attention + self.ffn_active + self.norms
+
+
+def attention_num_params(config: ModelConfig) -> int:
+    """One layer: W_Q, W_O are D×H·d_h; W_K, W_V are D×H_kv·d_h (seed 000: 2d² + 2d·h_kv·d_h without bias)."""
+    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    weights = 2 * config.d_model * q_width + 2 * config.d_model * kv_width
+    biases = (q_width + 2 * kv_width + config.d_model) if config.attention_bias else 0
+    return weights + biases
+
+
+def norm_num_params(config: ModelConfig) -> int:
+    return 2 * config.d_model if config.norm == "layernorm" else config.d_model
+
+
+def count_parameters(config: ModelConfig) -> ParameterCount:
+    ffn_total = ffn_active = 0
+    for layer in range(config.n_layers):
+        if config.is_moe_layer(layer):
+            ffn_total += config.moe.num_params(config.d_model, config.activation)
+            ffn_active += config.moe.num_active_params(config.d_model, config.activation)
+        else:
+            dense = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
+            ffn_total += dense
+            ffn_active += dense
+    learned_positions = config.max_seq_len * config.d_model if config.pos_encoding == "learned" else 0
+    return ParameterCount(
+        embedding=config.vocab_size * config.d_model + learned_positions,
+        lm_head=0 if config.tie_embeddings else config.vocab_size * config.d_model,
+        attention=config.n_layers * attention_num_params(config),
+        ffn_total=ffn_total,
+        ffn_active=ffn_active,
+        norms=(2 * config.n_layers + 1) * norm_num_params(config),
+    )

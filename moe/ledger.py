@@ -7,64 +7,10 @@ one "model size" distorts every estimate. Each row here therefore carries the as
 
 from dataclasses import dataclass
 
-from moe.config import ModelConfig
-from moe.ffn import ffn_matmul_flops_per_token, ffn_num_params
-
-# ---------------------------------------------------------------------------------------------------------------
-# Parameters
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParameterCount:
-    embedding: int  # token embedding + learned positions (+ untied output matrix, counted separately below)
-    lm_head: int  # 0 when tied to the embedding
-    attention: int  # all layers
-    ffn_total: int  # all dense FFNs + all experts, routers and shared experts
-    ffn_active: int  # what one token touches: dense FFNs + per MoE layer router, top-k experts, shared experts
-    norms: int
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.lm_head + self.attention + self.ffn_total + self.norms
-
-    @property
-    def active(self) -> int:
-        return self.embedding + self.lm_head + self.attention + self.ffn_active + self.norms
-
-
-def attention_num_params(config: ModelConfig) -> int:
-    """One layer: W_Q, W_O are D×H·d_h; W_K, W_V are D×H_kv·d_h (seed 000: 2d² + 2d·h_kv·d_h without bias)."""
-    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    weights = 2 * config.d_model * q_width + 2 * config.d_model * kv_width
-    biases = (q_width + 2 * kv_width + config.d_model) if config.attention_bias else 0
-    return weights + biases
-
-
-def norm_num_params(config: ModelConfig) -> int:
-    return 2 * config.d_model if config.norm == "layernorm" else config.d_model
-
-
-def count_parameters(config: ModelConfig) -> ParameterCount:
-    ffn_total = ffn_active = 0
-    for layer in range(config.n_layers):
-        if config.is_moe_layer(layer):
-            ffn_total += config.moe.num_params(config.d_model, config.activation)
-            ffn_active += config.moe.num_active_params(config.d_model, config.activation)
-        else:
-            dense = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
-            ffn_total += dense
-            ffn_active += dense
-    learned_positions = config.max_seq_len * config.d_model if config.pos_encoding == "learned" else 0
-    return ParameterCount(
-        embedding=config.vocab_size * config.d_model + learned_positions,
-        lm_head=0 if config.tie_embeddings else config.vocab_size * config.d_model,
-        attention=config.n_layers * attention_num_params(config),
-        ffn_total=ffn_total,
-        ffn_active=ffn_active,
-        norms=(2 * config.n_layers + 1) * norm_num_params(config),
-    )
-
+# Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
+# arrow points one way: ledger → config.
+from moe.config import ModelConfig, count_parameters
+from moe.ffn import ffn_matmul_flops_per_token
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training state

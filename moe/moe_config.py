@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe.errors import ModelConfigError
 from moe.ffn import ACTIVATIONS, ffn_matmul_flops_per_token, ffn_num_params
 
 SCORE_FNS = ("softmax", "sigmoid")
@@ -38,21 +39,23 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.score_fn not in SCORE_FNS:
-            raise ValueError(f"moe.router.score_fn={self.score_fn!r} is not supported: use one of {SCORE_FNS}")
+            raise ModelConfigError(f"moe.router.score_fn={self.score_fn!r} is not supported: use one of {SCORE_FNS}")
         if self.softmax_after_topk and self.score_fn != "softmax":
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.router.softmax_after_topk=True only applies to score_fn='softmax', not {self.score_fn!r}: "
                 "set softmax_after_topk=False"
             )
         if self.softmax_after_topk and not self.renormalize_topk:
-            raise ValueError(
+            raise ModelConfigError(
                 "moe.router.softmax_after_topk=True already gives K gates that sum to one, so "
                 "renormalize_topk=False would be silently ignored: set renormalize_topk=True"
             )
         if not 0.0 <= self.jitter_eps < 1.0:
-            raise ValueError(f"moe.router.jitter_eps={self.jitter_eps} must lie in [0, 1): use e.g. 0.01, or 0 for off")
+            raise ModelConfigError(
+                f"moe.router.jitter_eps={self.jitter_eps} must lie in [0, 1): use e.g. 0.01, or 0 for off"
+            )
         if self.bias_update_rate < 0:
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.router.bias_update_rate={self.bias_update_rate} is negative: use 0 (off) or a rate like 1e-3"
             )
 
@@ -87,41 +90,43 @@ class MoEConfig:
         if isinstance(self.router, dict):  # e.g. MoEConfig(**yaml_dict); Hydra itself passes a RouterConfig
             self.router = RouterConfig(**self.router)
         if self.num_experts < 1:
-            raise ValueError(f"moe.num_experts={self.num_experts} must be at least 1: add experts")
+            raise ModelConfigError(f"moe.num_experts={self.num_experts} must be at least 1: add experts")
         if self.top_k < 1:
-            raise ValueError(f"moe.top_k={self.top_k} must be at least 1: route each token to one or more experts")
+            raise ModelConfigError(
+                f"moe.top_k={self.top_k} must be at least 1: route each token to one or more experts"
+            )
         if self.top_k > self.num_experts:
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}: lower top_k or add experts"
             )
         if self.expert_d_ff < 1:
-            raise ValueError(f"moe.expert_d_ff={self.expert_d_ff} must be positive: set the expert hidden width")
+            raise ModelConfigError(f"moe.expert_d_ff={self.expert_d_ff} must be positive: set the expert hidden width")
         if self.num_shared_experts < 0:
-            raise ValueError(f"moe.num_shared_experts={self.num_shared_experts} is negative: use 0 for none")
+            raise ModelConfigError(f"moe.num_shared_experts={self.num_shared_experts} is negative: use 0 for none")
         if self.first_dense_layers < 0:
-            raise ValueError(f"moe.first_dense_layers={self.first_dense_layers} is negative: use 0 for none")
+            raise ModelConfigError(f"moe.first_dense_layers={self.first_dense_layers} is negative: use 0 for none")
         if self.moe_layer_interval < 1:
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.moe_layer_interval={self.moe_layer_interval} must be at least 1: use 1 for every layer"
             )
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"moe.{name}={value} must be positive: use e.g. 1.25, or null for dropless")
+                raise ModelConfigError(f"moe.{name}={value} must be positive: use e.g. 1.25, or null for dropless")
         if self.min_capacity < 0:
-            raise ValueError(f"moe.min_capacity={self.min_capacity} is negative: use 0 for no floor")
+            raise ModelConfigError(f"moe.min_capacity={self.min_capacity} is negative: use 0 for no floor")
         if self.drop_policy not in DROP_POLICIES:
-            raise ValueError(f"moe.drop_policy={self.drop_policy!r} is not supported: use one of {DROP_POLICIES}")
+            raise ModelConfigError(f"moe.drop_policy={self.drop_policy!r} is not supported: use one of {DROP_POLICIES}")
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
-                raise ValueError(f"moe.{name}={getattr(self, name)} is negative: use 0 to disable the loss")
+                raise ModelConfigError(f"moe.{name}={getattr(self, name)} is negative: use 0 to disable the loss")
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.aux_loss_scope={self.aux_loss_scope!r} is not supported: use one of {AUX_LOSS_SCOPES}"
             )
         if self.top_k == 1 and self.router.renormalize_topk:
             # softmax-after-top-1 is the same trap: a softmax over one logit is 1.
-            raise ValueError(
+            raise ModelConfigError(
                 "moe.router.renormalize_topk=True with moe.top_k=1 makes every gate exactly 1, so the router gets "
                 "no gradient from the model's loss: set moe.router.renormalize_topk=False "
                 "(and softmax_after_topk=False), as Switch keeps the gate value"
@@ -134,7 +139,7 @@ class MoEConfig:
         if not 0 <= layer_idx < n_layers:
             raise ValueError(f"layer_idx={layer_idx} is outside a model of n_layers={n_layers}")
         if self.first_dense_layers >= n_layers:
-            raise ValueError(
+            raise ModelConfigError(
                 f"moe.first_dense_layers={self.first_dense_layers} leaves no MoE layer in a {n_layers}-layer model: "
                 "lower first_dense_layers or set moe to null for a dense model"
             )
@@ -167,4 +172,4 @@ class MoEConfig:
 
 def _check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r} is not supported: use one of {ACTIVATIONS}")
+        raise ModelConfigError(f"activation={activation!r} is not supported: use one of {ACTIVATIONS}")

@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data_pipeline import DataError
+from data_pipeline import DataConfigError, DataError
+from moe import ModelConfigError
 from moe_platform.checkpoint import (
     CheckpointError,
     needs_universal_load,
@@ -28,21 +30,17 @@ from moe_platform.checkpoint import (
     resolve_resume,
     sharding_layout,
 )
-from moe_platform.config import ConfigError, TrainConfig, register_configs, validate_launch, world_size_from_env
+from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """The typed, validated config; any ValueError from a component's checks becomes one ConfigError sentence."""
-    try:
-        return OmegaConf.to_object(cfg)
-    except Exception as err:  # OmegaConf wraps the dataclasses' ValueErrors in its own exception types
-        cause = err
-        while cause.__cause__ is not None and not isinstance(cause, ValueError):
-            cause = cause.__cause__
-        message = str(cause).split("\n")[0].strip()
-        raise ConfigError(message) from None
+# The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
+BAD_INPUT = {
+    ConfigError: "config",
+    ModelConfigError: "config",
+    DataConfigError: "config",
+    CheckpointError: "checkpoint",
+    DataError: "data",
+}
 
 
 def agree_on_run_dir(accelerator, own_dir: Path) -> Path:
@@ -89,10 +87,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except (ConfigError, CheckpointError, DataError) as err:  # bad input: one sentence, no trace
-        kind = {ConfigError: "config", CheckpointError: "checkpoint"}.get(type(err), "data")
+    except tuple(BAD_INPUT) as err:  # a user's mistake: one sentence, no trace; anything else keeps its traceback
+        kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
         print(f"{kind} error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def register_configs() -> None:
+    """Put the schema in Hydra's ConfigStore; conf/train.yaml lists `train_schema` first in its defaults."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _quiet_hydra_on_other_ranks() -> None:

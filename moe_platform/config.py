@@ -1,21 +1,23 @@
 """The run's config schema: one small dataclass per component, composed by Hydra, validated before anything runs.
 
 `TrainConfig` nests the model's `ModelConfig` and the data pipeline's `DataConfig` next to the runtime's own
-`OptimConfig`, `DistributedConfig`, `LoggingConfig` and `TrainerConfig`. `register_configs()` puts the schema in
+`OptimConfig`, `DistributedConfig`, `LoggingConfig` and `TrainerConfig`. The entry point puts the schema in
 Hydra's ConfigStore, so every YAML under conf/ is merged onto typed nodes: an unknown or misspelt key is an error
 at composition. Cross-field checks that need the launch (world size, GPU presence) live in `validate_launch`,
-which runs before any process group or allocation.
+which runs before any process group or allocation. Loading a saved config.yaml needs OmegaConf only, not Hydra.
 """
 
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, ValidationError
 
-from data_pipeline import DataConfig
-from moe import ModelConfig
+from data_pipeline import DataConfig, DataConfigError
+from moe import ModelConfig, ModelConfigError
 
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed")
@@ -125,13 +127,13 @@ class TrainerConfig:
     seed: int = 0  # model init, dropout, router jitter (data order has data.seed)
     log_every: int = 20
     eval_every: int = 50  # 0 disables periodic eval; a final eval runs when validation is enabled
-    eval_batches: int = 4  # global batches per evaluation
+    # How much each evaluation reads is data.val.max_batches (the data pipeline must know it to cap a stream).
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     save_final: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "log_every", "eval_batches", "keep_last"):
+        for name in ("max_steps", "micro_batch_size", "log_every", "keep_last"):
             value = getattr(self, name)
             _require(value >= 1, f"trainer.{name}={value} must be >= 1")
         for name in ("eval_every", "save_every"):
@@ -203,8 +205,30 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
     return config.data.global_batch_size // per_step
 
 
-def register_configs() -> None:
-    """Put the schema in Hydra's ConfigStore; conf/train.yaml lists `train_schema` first in its defaults."""
-    from hydra.core.config_store import ConfigStore
+# A user's mistake in the config, from any component's checks or from OmegaConf's own typing; anything else raised
+# while building the config (a TypeError in a __post_init__, say) is a bug and keeps its traceback.
+USER_CONFIG_ERRORS = (ConfigError, ModelConfigError, DataConfigError, ValidationError, MissingMandatoryValue)
 
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The typed, validated config; a user's config mistake becomes one ConfigError sentence."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except USER_CONFIG_ERRORS as err:
+        raise ConfigError(str(err).split("\n")[0].strip()) from None
+
+
+def load_run_config(config_yaml: Path) -> TrainConfig:
+    """The validated config of a run from its saved config.yaml (a run dir's or a checkpoint's)."""
+    saved = OmegaConf.load(config_yaml)
+    _upgrade_saved_config(saved)
+    return to_train_config(OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
+
+
+def _upgrade_saved_config(saved: DictConfig) -> None:
+    """Keys that older runs saved and this schema has replaced, moved to where they live now."""
+    trainer = saved.get("trainer") or {}
+    if "eval_batches" in trainer:  # one knob since: data.val.max_batches (global batches per evaluation)
+        eval_batches = trainer.pop("eval_batches")
+        if OmegaConf.select(saved, "data.val.max_batches") is None:
+            OmegaConf.update(saved, "data.val.max_batches", eval_batches, force_add=True)

@@ -9,12 +9,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from moe import Transformer
 from moe_platform.checkpoint import CheckpointError, export_fp32_state_dict
-from moe_platform.cli import to_train_config
-from moe_platform.config import TrainConfig
+from moe_platform.config import TrainConfig, load_run_config
 
 
 def load_checkpoint_config(checkpoint: Path) -> TrainConfig:
@@ -22,7 +20,7 @@ def load_checkpoint_config(checkpoint: Path) -> TrainConfig:
     config_path = Path(checkpoint) / "config.yaml"
     if not config_path.is_file():
         raise CheckpointError(f"{checkpoint} has no config.yaml: it is not a complete moe-platform checkpoint")
-    return to_train_config(OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(config_path)))
+    return load_run_config(config_path)
 
 
 def load_exported_model(checkpoint: Path) -> Transformer:

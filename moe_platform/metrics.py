@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from moe.moe_layer import MoEStats, summarize
+from moe.stats import MoEStats, summarize
 
 # Dense peak of one device in FLOP/s for the precisions we train in (bf16 tensor cores; fp32 without TF32).
 _GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}

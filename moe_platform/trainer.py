@@ -11,7 +11,6 @@ Per optimizer step, on every rank:
 """
 
 import contextlib
-import itertools
 import logging
 import math
 import time
@@ -27,7 +26,8 @@ from accelerate.utils import set_seed
 from data_pipeline import build_loaders
 from moe import RunShape, Transformer, format_ledger, matmul_flops_per_token
 from moe.ledger import training_state_bytes
-from moe.moe_layer import MoEStats, update_balancing_biases
+from moe.moe_layer import update_balancing_biases
+from moe.stats import MoEStats
 from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
@@ -186,13 +186,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean token loss over the first `eval_batches` global validation batches (the same ones on any W)."""
+        """Mean token loss over the validation pass: its first `data.val.max_batches` global batches, the same
+        samples on any world size."""
         assert self.data.val is not None
         self.model.eval()
-        micro_batches = self.config.trainer.eval_batches * self.data.val.layout.accumulation_steps
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
-        for batch in itertools.islice(self.data.val, micro_batches):
+        for batch in self.data.val:
             logits = self.model(batch["input_ids"].to(self.accelerator.device)).logits
             labels = batch["labels"].to(self.accelerator.device)
             loss_sum += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").double()

@@ -91,14 +91,36 @@ def test_top_k_sampling_only_draws_from_the_top_k() -> None:
     assert (allowed == drawn[:, None]).any(dim=-1).all()
 
 
-def test_rows_stop_at_eos() -> None:
+def expected_with_eos(reference_BT: torch.Tensor, prompt_len: int, eos: int) -> torch.Tensor:
+    """What generate(eos_id=eos) must return, derived from the greedy run without EOS: each row keeps its tokens up
+    to its first EOS and EOS after it; the output ends at the step where the last row emitted its EOS."""
+    new_BS = reference_BT[:, prompt_len:].clone()
+    is_eos_BS = new_BS == eos
+    finished_BS = is_eos_BS.cumsum(dim=1) > 0
+    new_BS[finished_BS] = eos
+    if bool(finished_BS[:, -1].all()):
+        last_needed = int(is_eos_BS.float().argmax(dim=1).max())  # the step at which the last row finished
+        new_BS = new_BS[:, : last_needed + 1]
+    return torch.cat([reference_BT[:, :prompt_len], new_BS], dim=1)
+
+
+def test_every_row_stops_at_its_own_eos_and_generation_ends_when_all_have() -> None:
+    """Rows decode independently (a dense model, no padding), so the greedy run without EOS predicts the run with
+    any EOS token exactly; every token that occurs in that run is tried as EOS, and every row is checked."""
     model = tiny_model()
-    prompt = torch.randint(0, 40, (3, 4))
-    first = model.generate(prompt, 1, temperature=0)[:, -1]
-    eos = int(first[0])
-    out = model.generate(prompt, 5, temperature=0, eos_id=eos)
-    row0 = out[0, 4:]
-    assert (row0 == eos).all(), "a finished row keeps emitting EOS"
+    prompt_len, max_new = 4, 12
+    prompt = torch.randint(0, 40, (4, prompt_len))
+    reference = model.generate(prompt, max_new, temperature=0)
+    candidates = sorted(set(reference[:, prompt_len:].flatten().tolist()))
+    stopped_early = some_row_never_stopped = 0
+    for eos in candidates:
+        out = model.generate(prompt, max_new, temperature=0, eos_id=eos)
+        expected = expected_with_eos(reference, prompt_len, eos)
+        assert torch.equal(out, expected), f"eos={eos}"
+        stopped_early += out.shape[1] < prompt_len + max_new
+        some_row_never_stopped += bool((out[:, prompt_len:] != eos).all(dim=1).any())
+    # Both regimes occurred, so both were checked: every row finished early, and a row that never met its EOS.
+    assert stopped_early > 0 and some_row_never_stopped > 0, (stopped_early, some_row_never_stopped)
 
 
 def test_generate_rejects_running_past_max_seq_len() -> None:

@@ -6,7 +6,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from moe import ModelConfig, MoEConfig, RunShape, Transformer, format_ledger, kv_cache_bytes, matmul_flops_per_token
-from moe.ledger import attention_num_params, training_state_bytes
+from moe.config import attention_num_params
+from moe.ledger import training_state_bytes
 from moe.moe_config import RouterConfig
 
 

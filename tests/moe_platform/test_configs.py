@@ -8,11 +8,19 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from data_pipeline import DataError, build_loaders
 from moe import Transformer
-from moe_platform.cli import CONF_DIR, to_train_config
-from moe_platform.config import ConfigError, OptimConfig, TrainConfig, register_configs, validate_launch
+from moe_platform.cli import CONF_DIR, register_configs
+from moe_platform.config import (
+    ConfigError,
+    OptimConfig,
+    TrainConfig,
+    load_run_config,
+    to_train_config,
+    validate_launch,
+)
 from moe_platform.distributed import deepspeed_config
 
 register_configs()
@@ -32,6 +40,16 @@ def compose_config(overrides: list[str]) -> TrainConfig:
         return to_train_config(compose("train", overrides=overrides))
 
 
+def fitting_world_size(config: TrainConfig) -> int:
+    """1 for a single process; otherwise the largest of 8, 4, 2 ranks whose micro-batches tile the global batch."""
+    if config.distributed.strategy == "single":
+        return 1
+    micro_batches = config.data.global_batch_size // config.trainer.micro_batch_size
+    fitting = [world for world in (8, 4, 2) if micro_batches % world == 0]
+    assert fitting, f"global batch {config.data.global_batch_size} cannot be split over 2, 4 or 8 ranks"
+    return fitting[0]
+
+
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes_validates_and_builds(group: str, option: str) -> None:
     config = compose_config([f"{group}={option}", *COMPANIONS.get((group, option), [])])
@@ -40,14 +58,54 @@ def test_every_group_option_composes_validates_and_builds(group: str, option: st
     with torch.device("meta"):
         model = Transformer(config.model)
     assert config.model.num_params() == sum(p.numel() for p in model.parameters())
-    world = 8 if config.distributed.strategy != "single" else 1
-    micro = config.trainer.micro_batch_size
-    if config.data.global_batch_size % (micro * world) == 0:
+    # Every option reaches the launch checks. Offloading parameters needs a GPU, so that option is checked as
+    # the GPU machine it is written for would see it (validate_launch takes has_gpu as an argument).
+    world = fitting_world_size(config)
+    accum = validate_launch(config, world, has_gpu=config.distributed.offload_params)
+    assert config.data.global_batch_size == config.trainer.micro_batch_size * accum * world
+    dist = config.distributed
+    if dist.strategy == "deepspeed":
+        ds = deepspeed_config(config, accum, world)
+        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * accum * world
+        assert ds["gradient_accumulation_steps"] == accum
+        zero = ds["zero_optimization"]
+        assert zero["stage"] == dist.zero_stage
+        assert ("offload_optimizer" in zero) == dist.offload_optimizer
+        assert ("offload_param" in zero) == dist.offload_params
+        assert ds["bf16"]["enabled"] == (config.trainer.precision == "bf16")
+
+
+def test_every_distributed_option_reaches_the_deepspeed_assertions() -> None:
+    """The guard this file once had skipped them all with the default batch; name each option that must reach them."""
+    reached = set()
+    for option in options("distributed"):
+        config = compose_config([f"distributed={option}"])
+        world = fitting_world_size(config)
         accum = validate_launch(config, world, has_gpu=config.distributed.offload_params)
         if config.distributed.strategy == "deepspeed":
-            ds = deepspeed_config(config, accum, world)
-            assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * accum * world
-            assert ds["zero_optimization"]["stage"] == config.distributed.zero_stage
+            assert deepspeed_config(config, accum, world)["zero_optimization"]["stage"] == config.distributed.zero_stage
+            reached.add(option)
+    assert reached == {"zero1", "zero2", "zero3", "zero3_offload"}
+
+
+def test_a_bug_while_building_the_config_keeps_its_traceback(monkeypatch) -> None:
+    """Only users' config mistakes become one sentence; a programming error must not pass for one."""
+    import moe.config
+
+    def broken_post_init(self) -> None:
+        raise KeyError("a bug, not a config mistake")
+
+    monkeypatch.setattr(moe.config.ModelConfig, "__post_init__", broken_post_init)
+    with pytest.raises(KeyError, match="a bug"):
+        compose_config([])
+
+    def type_bug(self) -> None:
+        raise TypeError("another bug")
+
+    monkeypatch.setattr(moe.config.ModelConfig, "__post_init__", type_bug)
+    with pytest.raises(Exception, match="another bug") as excinfo:
+        compose_config([])
+    assert not isinstance(excinfo.value, ConfigError)
 
 
 def test_the_default_is_the_tiny_moe_on_synthetic_data() -> None:
@@ -76,6 +134,7 @@ def test_shapes_of_the_named_presets() -> None:
         (["distributed=ddp", "distributed.zero_stage=2"], "need distributed.strategy=deepspeed"),
         (["distributed=zero2", "distributed.offload_params=true"], "offload_params needs distributed.zero_stage=3"),
         (["trainer.stop_at=999"], "trainer.stop_at=999"),
+        (["model.moe.first_dense_layers=4"], "moe.first_dense_layers=4 leaves no MoE layer in a 4-layer model"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(overrides: list[str], needle: str) -> None:
@@ -148,3 +207,17 @@ def test_every_data_option_builds_its_loaders(tmp_path: Path) -> None:
     hub = compose_config(["data=hf_hub", "model=moe_small", f"data.hf.cache_dir={tmp_path / 'hub'}"])
     with pytest.raises(DataError):
         build_loaders(hub.data, 0, 1, hub.trainer.micro_batch_size, model_vocab_size=hub.model.vocab_size)
+
+
+def test_one_knob_sets_how_much_each_evaluation_reads(tmp_path: Path) -> None:
+    """data.val.max_batches alone: the trainer's old second knob is gone, and old saved configs are moved onto it."""
+    with pytest.raises(ConfigCompositionException, match="eval_batches"):
+        compose_config(["trainer.eval_batches=2"])
+    assert compose_config(["data=hf_hub", "model=moe_small"]).data.val.max_batches == 8
+    assert compose_config([]).data.val.max_batches == 4
+    old = tmp_path / "config.yaml"
+    saved = OmegaConf.to_container(OmegaConf.structured(compose_config([])))
+    saved["trainer"]["eval_batches"] = 2
+    saved["data"]["val"]["max_batches"] = None
+    old.write_text(OmegaConf.to_yaml(saved))
+    assert load_run_config(old).data.val.max_batches == 2

@@ -1,6 +1,5 @@
 """Single-process training through the real CLI: it learns, it logs, it resumes exactly, it exports."""
 
-import itertools
 import math
 import subprocess
 from pathlib import Path
@@ -96,7 +95,7 @@ def exported_eval_loss(checkpoint: Path) -> float:
     val = build_loaders(config.data, 0, 1, config.trainer.micro_batch_size).val
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
-        for batch in itertools.islice(val, config.trainer.eval_batches * val.layout.accumulation_steps):
+        for batch in val:
             logits = model(batch["input_ids"]).logits
             loss_sum += float(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum"))
             tokens += batch["labels"].numel()
