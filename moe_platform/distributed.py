@@ -9,6 +9,8 @@ Facts this module encodes (measured on CPU with torch 2.13, deepspeed 0.19.8, ac
 """
 
 import logging
+import os
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +25,23 @@ log = logging.getLogger(__name__)
 
 def has_gpu() -> bool:
     return torch.cuda.is_available()
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def describe_lone_process_group() -> None:
+    """DeepSpeed needs a process group even for one rank (one GPU with ZeRO-3 offload is a real use). A process
+    that no launcher started (plain `moe-train distributed=zero3`) gets the environment of a one-rank group on
+    127.0.0.1, as torchrun --nproc_per_node=1 would give it; a launched process is left as its launcher set it."""
+    if any(name in os.environ for name in LAUNCHER_VARIABLES):
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    os.environ.update({**one_rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    log.info("no launcher: DeepSpeed runs as a one-rank process group on 127.0.0.1:%d", port)
 
 
 def deepspeed_config(
@@ -62,6 +81,8 @@ def build_accelerator(
     dist = config.distributed
     gpu = has_gpu()
     backend = dist.backend or ("nccl" if gpu else "gloo")
+    if dist.strategy == "deepspeed":
+        describe_lone_process_group()
     # A lone process has no group to set up; passing group kwargs then makes Accelerate look for one.
     handlers = (
         [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=dist.timeout_s))]

@@ -58,6 +58,18 @@ def test_two_ranks_reproduce_the_single_process_losses(
         assert per_rank[0] == pytest.approx(train[1]["ledger/optimizer_state_bytes_per_rank"], rel=0.01)
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_deepspeed_runs_as_one_plain_process_without_a_launcher(tmp_path: Path, single_process_run, strategy) -> None:
+    """`moe-train distributed=zero3` on one GPU (or CPU) with no torchrun: a one-rank process group is made."""
+    result = moe_train(tmp_path, f"distributed={strategy}")
+    assert "1 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
+    assert "no launcher: DeepSpeed runs as a one-rank process group" in result.stdout + result.stderr
+    train, _ = read_metrics(tmp_path)
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+
+
 def test_accelerate_launch_starts_real_ranks_too(tmp_path: Path, single_process_run) -> None:
     result = moe_train(tmp_path, "distributed=zero2", nproc=2, launcher="accelerate")
     assert "2 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
