@@ -31,6 +31,7 @@ from moe_platform.checkpoint import (
     sharding_layout,
 )
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
+from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
@@ -66,6 +67,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config = to_train_config(cfg)
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
+    check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
     own_dir = Path(HydraConfig.get().runtime.output_dir)
     resume_from = resolve_resume(config.resume, own_dir)
     layout = sharding_layout(config.distributed.strategy, config.distributed.zero_stage, world_size)

@@ -82,6 +82,7 @@ class DistributedConfig:
     offload_params: bool = False  # deepspeed stage 3: parameters in host memory
     backend: Optional[str] = None  # None: nccl with GPUs, gloo on CPU
     timeout_s: int = 600
+    check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see memory.py)
 
     def __post_init__(self) -> None:
         _require(
