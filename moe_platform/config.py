@@ -116,7 +116,9 @@ class LoggingConfig:
     wandb_mode: Optional[str] = None  # None: wandb's own default (WANDB_MODE); "offline" needs no network
     tensorboard: bool = False
     progress_bar: bool = True
-    peak_tflops: Optional[float] = None  # per device, for MFU; None: known GPU table, or a CPU matmul probe
+    peak_tflops: Optional[float] = (
+        None  # dense peak per device, for MFU; None: the datasheet of a known GPU, else no MFU
+    )
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Metric records: expert-load statistics reduced across micro-batches and ranks, MFU, and the sinks.
+"""Metric records: expert-load statistics reduced across micro-batches and ranks, and the sinks.
 
-Every logged step becomes one flat dict (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `mfu`, `eval/loss`,
+Every logged step becomes one flat dict (`step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, FLOP/s figures from
+`throughput.py`, `eval/loss`,
 and `moe/layer_{i}/<metric>` per MoE layer), written by rank 0 to metrics.jsonl always, and to wandb and
 TensorBoard when enabled.
 """
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,6 @@ import torch
 from accelerate import Accelerator
 
 from moe.stats import MoEStats, summarize
-
-# Dense peak of one device in FLOP/s for the precisions we train in (bf16 tensor cores; fp32 without TF32).
-_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 LAYER_METRICS = ("tokens_per_expert", "drop_frac", "max_over_mean", "cv", "entropy", "aux_loss", "z_loss")
 
@@ -38,29 +35,6 @@ def reduce_moe_stats(accelerator: Accelerator, stats_by_layer: dict[int, MoEStat
         for name in LAYER_METRICS:
             record[f"moe/layer_{layer}/{name}"] = summary[name]
     return record
-
-
-def peak_flops_per_device(configured_tflops: float | None) -> tuple[float, str]:
-    """The denominator of MFU and where it came from: the config, a known GPU, or a CPU matmul probe."""
-    if configured_tflops is not None:
-        return configured_tflops * 1e12, "logging.peak_tflops"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, tflops in _GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"{name} datasheet"
-        return 0.0, f"unknown GPU {name}: set logging.peak_tflops"
-    return _cpu_matmul_probe(), "CPU fp32 matmul probe"
-
-
-def _cpu_matmul_probe(n: int = 512, repeats: int = 8) -> float:
-    """Achieved fp32 matmul FLOP/s of this process on this CPU: there is no datasheet peak to divide by."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
 class MetricSinks:

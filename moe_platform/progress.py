@@ -1,4 +1,4 @@
-"""A rich progress bar with the numbers a person watches: loss, tokens/s, MFU and ETA (rank 0 only)."""
+"""A rich progress bar with the numbers a person watches: loss, tokens/s, MFU (or TFLOP/s) and ETA (rank 0 only)."""
 
 from typing import Any
 
@@ -32,7 +32,11 @@ class Progress:
         self._bar.__exit__(*exc)
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        metrics = f"loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:,.0f}  MFU {100 * record['mfu']:.1f}%"
+        metrics = f"loss {record['loss']:.4f}  tok/s {record['tokens_per_s']:,.0f}"
+        if "mfu" in record:
+            metrics += f"  MFU {100 * record['mfu']:.1f}%"
+        else:
+            metrics += f"  {record['model_tflops_per_device']:.3g} TFLOP/s"
         self._bar.update(self._task, completed=step, metrics=metrics)
         if self.enabled and not self.console.is_terminal:
             # Piped output (Slurm logs, CI) gets no live bar: print the same numbers as a line.

@@ -31,8 +31,9 @@ from moe.stats import MoEStats
 from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
-from moe_platform.metrics import MetricSinks, peak_flops_per_device, reduce_moe_stats
+from moe_platform.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.progress import Progress
+from moe_platform.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,12 @@ class Trainer:
         accelerator.register_for_checkpointing(self.state, self.data.train)
         self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
         self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
-        self.flops_per_token = matmul_flops_per_token(config.model, config.data.seq_len).training
-        self.peak_flops, self.peak_source = peak_flops_per_device(config.logging.peak_tflops)
+        self.throughput = Throughput(
+            flops_per_token=matmul_flops_per_token(config.model, config.data.seq_len).training,
+            num_devices=accelerator.num_processes,
+            configured_tflops=config.logging.peak_tflops,
+            precision=config.trainer.precision,
+        )
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ class Trainer:
                     last = self._log(window)
                     progress.update(self.state.step, last)
                     window = LogWindow()
-                with window.paused():  # tokens/s and MFU count training time only
+                with window.paused():  # tokens/s and FLOP/s count training time only
                     if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
                         last.update(self._log_eval())
                     if trainer.save_every and self.state.step % trainer.save_every == 0:
@@ -225,7 +230,6 @@ class Trainer:
         losses = torch.tensor(window.losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
         losses = self.accelerator.reduce(losses, reduction="mean")
         tokens_per_s = window.steps * self.tokens_per_step / window.elapsed()
-        flops_per_device = self.flops_per_token * tokens_per_s / self.accelerator.num_processes
         record: dict[str, Any] = {
             "step": self.state.step,
             "loss": float(losses[0]),
@@ -233,7 +237,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "grad_norm": window.grad_norm,
             "tokens_per_s": tokens_per_s,
-            "mfu": flops_per_device / self.peak_flops if self.peak_flops > 0 else float("nan"),
+            **self.throughput.record(tokens_per_s),
             "tokens_seen": self.state.tokens_seen,
         }
         record.update(reduce_moe_stats(self.accelerator, window.stats))
@@ -294,7 +298,7 @@ class Trainer:
             f"device {self.accelerator.device}, {config.trainer.precision}; global batch "
             f"{config.data.global_batch_size} = micro {config.trainer.micro_batch_size} × accumulation "
             f"{self.grad_accum} × ranks {self.accelerator.num_processes}",
-            f"MFU denominator: {self.peak_flops / 1e12:.3f} TFLOP/s per device ({self.peak_source})",
+            self.throughput.describe(),
         ]
         if self.data.entropy_floor is not None:
             lines.append(f"synthetic data entropy floor: {self.data.entropy_floor:.4f} nats/token")

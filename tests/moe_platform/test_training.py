@@ -130,3 +130,12 @@ def test_resume_from_a_missing_path_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "checkpoint error: resume=" in result.stderr and "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_cpu_run_without_a_configured_peak_reports_flops_but_no_mfu(tmp_path: Path) -> None:
+    result = moe_train(tmp_path, "trainer.max_steps=2", "logging.peak_tflops=null")
+    train, _ = read_metrics(tmp_path)
+    record = train[2]
+    assert "mfu" not in record, "a matmul probe is not a peak: no MFU on CPU"
+    assert record["model_tflops_per_device"] > 0 and record["model_flops_vs_matmul_probe"] > 0
+    assert "no MFU: a CPU has no datasheet peak; set logging.peak_tflops" in result.stdout
