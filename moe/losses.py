@@ -5,7 +5,8 @@ Legend: N tokens, E experts, K experts per token, G balancing groups (1 per micr
 Load balancing (Switch, normalised so that perfectly balanced routing gives exactly coef):
     L_bal = coef · E / (K · N²) · Σ_i (Σ_t p_ti) · c_i
 with p the full fp32 router distribution before top-k and c_i the assignments routed to expert i before any
-capacity drop. c_i comes from the discrete top-k, so it carries no gradient; the router learns only through p.
+capacity drop (under aux-loss-free bias balancing: by the router's unbiased top-k, see router.py). c_i comes
+from the discrete top-k, so it carries no gradient; the router learns only through p.
 Balanced: Σ_t p_ti = N/E and c_i = K·N/E for every i, so the sum is K·N²/E and L_bal = coef.
 Each layer's loss uses that layer's own p and c: pooling logits across layers is a different (and, per
 users of that form, wrong) objective.

@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
             out_ND = out_ND + self.shared_experts(x_ND)
 
         aux_loss = load_balancing_loss(
-            route.probs_NE, route.topk_ids_NK, coef=cfg.aux_loss_coef, group_ids_N=group_ids_N, num_groups=B
+            route.probs_NE, route.balance_ids_NK, coef=cfg.aux_loss_coef, group_ids_N=group_ids_N, num_groups=B
         )
         z_loss = router_z_loss(route.logits_NE, coef=cfg.z_loss_coef)
         stats = collect_stats(route.probs_NE, plan, aux_loss, z_loss, num_tokens, capacity)

@@ -5,6 +5,9 @@ Legend: N tokens, D model width, E experts, K experts per token (top-k).
 Aux-loss-free balancing (DeepSeek-V3): a per-expert bias b is added to the scores only to *choose* experts;
 the gates are the unbiased scores of the chosen experts, so b steers load without entering the output.
 b moves by ±rate per optimizer step, towards the experts that received fewer than the mean load.
+The balancing loss then counts experts from the *unbiased* top-k (`balance_ids_NK`), as DeepSeek-V3 and
+Megatron-Core do: once b has evened out the chosen load, counts from the biased choice are flat and would leave
+the loss almost no gradient, while the router's own preferences are still skewed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class RouterOutput(NamedTuple):
     gates_NK: torch.Tensor  # weight of each chosen expert's output (router dtype, differentiable)
     probs_NE: torch.Tensor  # full distribution over experts before top-k: aux loss and entropy
     logits_NE: torch.Tensor  # raw router logits: z-loss
+    balance_ids_NK: torch.Tensor  # the top-k the balancing loss counts: topk_ids_NK, or the unbiased top-k
 
 
 def select_topk(
@@ -123,11 +127,14 @@ class TopKRouter(nn.Module):
                 selection_bias_E=self.expert_bias.to(router_dtype) if self.uses_bias else None,
             )
             probs_NE = balancing_probs(logits_NE, self.config.score_fn)
+            balance_ids_NK = topk_ids_NK
+            if self.uses_bias:  # probs_NE ranks experts as the unbiased scores do (a per-token monotone map)
+                balance_ids_NK = probs_NE.detach().topk(self.top_k, dim=-1).indices
 
         if self.uses_bias and self.training:
             with torch.no_grad():
                 self.load_since_update += torch.bincount(topk_ids_NK.flatten(), minlength=self.num_experts)
-        return RouterOutput(topk_ids_NK, gates_NK, probs_NE, logits_NE)
+        return RouterOutput(topk_ids_NK, gates_NK, probs_NE, logits_NE, balance_ids_NK)
 
     @torch.no_grad()
     def update_balancing_bias(self, group: dist.ProcessGroup | None = None) -> None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe.ffn import FeedForward
+from moe.losses import load_balancing_loss
 from moe.moe_config import MoEConfig, RouterConfig
 from moe.moe_layer import MoELayer, MoEOutput, update_balancing_biases
 from moe.stats import MoEStats, summarize
@@ -195,6 +196,27 @@ def test_eval_capacity_factor_applies_only_in_eval():
     x = torch.rand(1, 8, D, dtype=torch.float64) + 0.1
     assert summarize(layer(x).stats)["dropped_assignments"] == 0
     assert summarize(layer.eval()(x).stats)["tokens_per_expert_after"] == [2, 2, 0, 0]
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_with_bias_balancing_the_aux_loss_counts_the_unbiased_top_k(score_fn: str):
+    """DeepSeek-V3 / Megatron-Core: the bias steers which experts compute, but the balancing loss counts the experts
+    the router itself prefers; counting the biased choice flattens the counts and starves the loss of gradient."""
+    torch.manual_seed(0)
+    router = RouterConfig(score_fn=score_fn, bias_update_rate=1e-3)
+    layer = make_layer("gelu", capacity_factor=None, router=router, aux_loss_coef=1.0, z_loss_coef=0.0)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([-1.0, -1.0, 1.0, 1.0]))  # large enough to change choices
+    x = torch.randn(4, 8, D, dtype=torch.float64)
+    out = layer(x)
+    route = layer.router(x.reshape(-1, D))
+    unbiased_ids = route.probs_NE.topk(2, dim=-1).indices
+    assert not torch.equal(route.topk_ids_NK.sort(-1).values, unbiased_ids.sort(-1).values), "the bias mattered"
+    expected = load_balancing_loss(route.probs_NE, unbiased_ids, coef=1.0)
+    torch.testing.assert_close(out.aux_loss, expected)
+    # The statistics still report the experts that really computed (the biased choice).
+    biased_counts = torch.bincount(route.topk_ids_NK.flatten(), minlength=4)
+    assert out.stats.tokens_per_expert_before.tolist() == biased_counts.tolist()
 
 
 def test_sequence_scope_balances_each_sequence_of_the_micro_batch():
