@@ -127,7 +127,7 @@ class TrainerConfig:
     stop_at: Optional[int] = None  # end this job after this step (checkpointed), schedule unchanged: time slices
     micro_batch_size: int = 8  # per rank; gradient accumulation = global / (micro · world)
     precision: str = "fp32"
-    seed: int = 0  # model init, dropout, router jitter (data order has data.seed)
+    seed: int = 0  # model init (same on every rank), dropout and router jitter (per rank); data order: data.seed
     log_every: int = 20
     eval_every: int = 50  # 0 disables periodic eval; a final eval runs when validation is enabled
     # How much each evaluation reads is data.val.max_batches (the data pipeline must know it to cap a stream).

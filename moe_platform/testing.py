@@ -1,12 +1,21 @@
-"""Test helpers that run the real `moe-train` CLI: in one process, or in N gloo processes through torchrun
-on 127.0.0.1. Used by the test suite; importable so that tests in any folder can share them."""
+"""Test helpers, importable so that tests in any folder share them:
+* `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
+* `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1."""
 
+import importlib.util
+import inspect
 import json
+import multiprocessing
 import os
+import pickle
+import queue
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 # Seconds-long runs: tiny MoE on a small synthetic corpus, every step logged, no eval unless asked.
@@ -88,3 +97,59 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
         record = json.loads(line)
         (evals if "eval/loss" in record else train)[record["step"]] = record
     return train, evals
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
+    """`fn(rank, world_size, *args)` in `world_size` fresh processes that share a gloo process group on 127.0.0.1;
+    returns each rank's return value, in rank order. A rank's exception fails the call with that rank's traceback;
+    a rank left waiting in a collective is killed after `timeout` seconds.
+
+    `fn` must be a module-level function (the processes are spawned, not forked: a fork would copy the parent's
+    torch thread pools); it is found again in its source file, which may be a test module pytest imported by path.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    source = (inspect.getsourcefile(fn), fn.__qualname__)
+    port = free_port()
+    processes = [
+        context.Process(target=_distributed_worker, args=(source, rank, world_size, port, args, results))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    by_rank: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+            by_rank[rank] = pickle.loads(value)
+    except queue.Empty:
+        missing = sorted(set(range(world_size)) - set(by_rank))
+        raise AssertionError(f"ranks {missing} gave no result in {timeout} s") from None
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+    return [by_rank[rank] for rank in range(world_size)]
+
+
+def _distributed_worker(source: tuple[str, str], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        path, name = source
+        spec = importlib.util.spec_from_file_location(f"_distributed_test_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        try:
+            # Plain pickle bytes: the queue would pass tensors through shared memory that dies with this process.
+            results.put((rank, True, pickle.dumps(getattr(module, name)(rank, world_size, *args))))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))

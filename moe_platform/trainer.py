@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from data_pipeline import build_loaders
 from moe import RunShape, Transformer, format_ledger, matmul_flops_per_token
@@ -33,6 +32,7 @@ from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.progress import Progress
+from moe_platform.seeding import seed_initial_weights, seed_noise_streams
 from moe_platform.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,6 @@ class Trainer:
     ) -> None:
         self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
         self.grad_accum, self.config_yaml, self.resume_from = grad_accum, config_yaml, resume_from
-        set_seed(config.trainer.seed)  # identical initial weights on every rank
 
         with accelerator.main_process_first():  # tokenize once; the other ranks read the datasets cache
             self.data = build_loaders(
@@ -108,7 +107,9 @@ class Trainer:
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
             )
+        seed_initial_weights(config.trainer.seed)  # right before the build: loading data may draw on a rank
         model = Transformer(config.model)
+        seed_noise_streams(config.trainer.seed, accelerator.process_index)
         if config.distributed.zero_stage == 3:
             register_moe_leaf_modules(model)
         self.model, self.optimizer = accelerator.prepare(model, build_optimizer(model, config))

@@ -7,6 +7,7 @@ import torch
 
 from moe.moe_config import RouterConfig
 from moe.router import TopKRouter, balancing_probs, select_topk
+from moe_platform.testing import run_distributed
 
 
 def seed_logits() -> torch.Tensor:
@@ -167,53 +168,19 @@ def test_balancing_state_is_in_the_state_dict_and_restores():
     assert torch.equal(restored.load_since_update, router.load_since_update)
 
 
-WORKER = """
-import os, sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from moe.moe_config import RouterConfig
-from moe.router import TopKRouter
-
-def run(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def apply_one_bias_step_on_this_rank(rank: int, world_size: int) -> tuple[list[float], list[int]]:
     router = TopKRouter(4, 4, 1, RouterConfig(renormalize_topk=False, bias_update_rate=0.01))
     with torch.no_grad():
         router.weight.copy_(torch.eye(4))
     local = [[0, 0, 0, 1], [2, 2, 3, 3]][rank]  # summed over ranks: loads [3, 1, 2, 2], mean 2
     router(torch.nn.functional.one_hot(torch.tensor(local), 4).float())
     router.update_balancing_bias()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(repr((router.expert_bias.tolist(), router.load_since_update.tolist())))
-    dist.destroy_process_group()
-
-if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
-"""
+    return router.expert_bias.tolist(), router.load_since_update.tolist()
 
 
 @pytest.mark.slow
-def test_data_parallel_ranks_apply_the_same_bias_step_from_the_summed_loads(tmp_path):
-    import ast
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(script), str(port), str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    for rank in range(2):
-        bias, load = ast.literal_eval((tmp_path / f"rank{rank}.txt").read_text())
+def test_data_parallel_ranks_apply_the_same_bias_step_from_the_summed_loads():
+    for bias, load in run_distributed(apply_one_bias_step_on_this_rank, 2):
         assert bias == pytest.approx([-0.01, 0.01, 0.0, 0.0]) and load == [0, 0, 0, 0]
 
 
