@@ -1,6 +1,7 @@
 """Auxiliary router losses of one MoE layer, each already multiplied by its coefficient.
 
-Legend: N tokens, E experts, K experts per token, G balancing groups (1 per micro-batch, or one per sequence).
+Legend: N tokens, E experts, K experts per token, G balancing groups (1 per micro-batch, or one per sequence),
+W data-parallel ranks.
 
 Load balancing (Switch, normalised so that perfectly balanced routing gives exactly coef):
     L_bal = coef · E / (K · N²) · Σ_i (Σ_t p_ti) · c_i
@@ -11,12 +12,23 @@ Balanced: Σ_t p_ti = N/E and c_i = K·N/E for every i, so the sum is K·N²/E a
 Each layer's loss uses that layer's own p and c: pooling logits across layers is a different (and, per
 users of that form, wrong) objective.
 
+Global scope (Megatron-Core's global_aux_loss): balance is enforced on the tokens of all W ranks, not on each
+rank's few. Per micro-batch, c_i and N are summed over the ranks (an all-reduce; no gradient) while P_i = Σ_t p_ti
+stays each rank's own, and rank r's loss is its share
+    L_r = W · coef · E / (K · N²) · Σ_i P_i^r · c_i,   so that   mean_r L_r = L_bal(the W micro-batches pooled)
+and the data-parallel gradient average optimises exactly the pooled loss. Why per micro-batch, not summed over the
+step's micro-batches so far as Megatron does: a micro-batch's loss is complete when it is computed, every
+micro-batch is weighted alike whatever its place in the accumulation, and the value equals the 1-process loss on
+the concatenated batch; a running sum would weigh the first micro-batch's probabilities against fewer counts than
+the last's.
+
 Router z-loss (ST-MoE): L_z = coef · mean_t (logsumexp_j x_tj)², which keeps logits small for fp32 stability.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def load_balancing_loss(
@@ -45,6 +57,33 @@ def load_balancing_loss(
         num_nonempty = int((tokens_G > 0).sum())
     per_group_G = scale_G * (prob_mass_GE * counts_GE.to(probs_NE.dtype)).sum(dim=-1)  # empty groups give 0
     return coef * per_group_G.sum() / max(num_nonempty, 1)
+
+
+def global_load_balancing_loss(
+    probs_NE: torch.Tensor, topk_ids_NK: torch.Tensor, *, coef: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """This rank's share L_r of the balancing loss over the micro-batches of every rank in `group` (default: all
+    ranks). Collective: every rank of the group must call it once per training micro-batch. Without an initialised
+    process group it is `load_balancing_loss` on the local micro-batch."""
+    if not (dist.is_available() and dist.is_initialized()) or coef == 0:
+        return load_balancing_loss(probs_NE, topk_ids_NK, coef=coef)
+    num_tokens, num_experts = probs_NE.shape
+    top_k = topk_ids_NK.shape[1]
+    with torch.no_grad():
+        counts_and_tokens = torch.cat(
+            [
+                torch.bincount(topk_ids_NK.reshape(-1), minlength=num_experts),
+                torch.tensor([num_tokens], device=probs_NE.device),
+            ]
+        )
+        dist.all_reduce(counts_and_tokens, group=group)
+        counts_E = counts_and_tokens[:num_experts].to(probs_NE.dtype)
+        total_tokens = int(counts_and_tokens[num_experts])
+        world = dist.get_world_size(group)
+    if total_tokens == 0:
+        return probs_NE.sum() * 0.0
+    prob_mass_E = probs_NE.sum(dim=0)
+    return world * coef * num_experts / (top_k * total_tokens**2) * (prob_mass_E * counts_E).sum()
 
 
 def router_z_loss(logits_NE: torch.Tensor, *, coef: float) -> torch.Tensor:

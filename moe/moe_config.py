@@ -16,7 +16,7 @@ from moe.ffn import ACTIVATIONS, ffn_matmul_flops_per_token, ffn_num_params
 
 SCORE_FNS = ("softmax", "sigmoid")
 DROP_POLICIES = ("position", "probs")
-AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")
 
 
 @dataclass
@@ -83,7 +83,9 @@ class MoEConfig:
     drop_policy: str = "position"  # which assignments overflow: later tokens ("position") or lowest gates ("probs")
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
-    aux_loss_scope: str = "micro_batch"  # balance counted over the micro-batch, or per sequence and averaged
+    # Over which tokens the balancing loss counts load: this rank's micro-batch; each sequence (averaged); or
+    # "global": the same micro-batch of every data-parallel rank pooled (see losses.global_load_balancing_loss).
+    aux_loss_scope: str = "micro_batch"
     router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:

@@ -8,8 +8,9 @@ real ones under a token mask), D model width, E experts, K experts per token, A 
 Gradient accumulation and data parallelism (how the numbers stay right per optimizer step):
   * `aux_loss` and `z_loss` are means over this micro-batch's tokens, like the LM loss: the trainer adds them to
     the LM loss and scales the sum by 1/grad_accum, so the step optimises the mean of per-micro-batch losses.
-    (Balance is thus enforced per micro-batch and per rank, as in Switch/Megatron/OLMo; it is not the loss of the
-    pooled global batch, which would need counts from micro-batches not yet run. Padding never counts.)
+    (Balance is thus enforced per micro-batch and per rank, as in Switch/Megatron/OLMo, or with
+    aux_loss_scope="global" per micro-batch over all data-parallel ranks pooled (see losses.py); never over the
+    step's whole batch, which would need counts from micro-batches not yet run. Padding never counts.)
   * `stats` holds raw sums (counts, entropy sum, loss sums, number of micro-batches); `moe/stats.py` says how they
     are added over micro-batches and ranks before any ratio is taken.
   * The aux-loss-free bias is updated by `update_balancing_bias()`, which the trainer calls once per optimizer
@@ -29,7 +30,7 @@ from torch import nn
 from moe.dispatch import combine, dispatch, expert_capacity, plan_dispatch
 from moe.experts import GroupedExperts
 from moe.ffn import FeedForward
-from moe.losses import load_balancing_loss, router_z_loss
+from moe.losses import global_load_balancing_loss, load_balancing_loss, router_z_loss
 from moe.moe_config import MoEConfig
 from moe.router import TopKRouter
 from moe.stats import MoEStats, collect_stats
@@ -55,6 +56,8 @@ class MoELayer(nn.Module):
         self.d_model = d_model
         self.activation = activation
         self.router = TopKRouter(d_model, config.num_experts, config.top_k, config.router, init_std)
+        # The data-parallel ranks whose load aux_loss_scope="global" pools (None: all ranks).
+        self.balance_group: dist.ProcessGroup | None = None
         self.experts = GroupedExperts(d_model, config.expert_d_ff, config.num_experts, activation, init_std)
         # S shared experts of width F summed equal one FFN of width S·F (the activation is per hidden unit),
         # so they are fused into one module: one matmul per projection instead of S (DeepSeek does the same).
@@ -103,9 +106,14 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)
 
-        aux_loss = load_balancing_loss(
-            route.probs_NE, route.balance_ids_NK, coef=cfg.aux_loss_coef, group_ids_N=group_ids_N, num_groups=B
-        )
+        if cfg.aux_loss_scope == "global" and self.training:
+            aux_loss = global_load_balancing_loss(
+                route.probs_NE, route.balance_ids_NK, coef=cfg.aux_loss_coef, group=self.balance_group
+            )
+        else:  # eval forwards run on one rank's data alone (and need no collective): the local micro-batch
+            aux_loss = load_balancing_loss(
+                route.probs_NE, route.balance_ids_NK, coef=cfg.aux_loss_coef, group_ids_N=group_ids_N, num_groups=B
+            )
         z_loss = router_z_loss(route.logits_NE, coef=cfg.z_loss_coef)
         stats = collect_stats(route.probs_NE, plan, aux_loss, z_loss, num_tokens, capacity)
 

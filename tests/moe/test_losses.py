@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moe.losses import load_balancing_loss, router_z_loss
+from moe.losses import global_load_balancing_loss, load_balancing_loss, router_z_loss
 
 
 def round_robin_ids(num_tokens: int, num_experts: int, top_k: int) -> torch.Tensor:
@@ -83,3 +83,11 @@ def test_losses_of_an_empty_micro_batch_are_zero():
     probs, ids = torch.zeros(0, 4), torch.zeros(0, 2, dtype=torch.long)
     assert load_balancing_loss(probs, ids, coef=0.01).item() == 0.0
     assert router_z_loss(torch.zeros(0, 4), coef=0.001).item() == 0.0
+
+
+def test_global_scope_without_a_process_group_is_the_micro_batch_loss():
+    probs = torch.softmax(torch.randn(10, 4, dtype=torch.float64), dim=-1)
+    ids = probs.topk(2, dim=-1).indices
+    torch.testing.assert_close(
+        global_load_balancing_loss(probs, ids, coef=0.1), load_balancing_loss(probs, ids, coef=0.1)
+    )

@@ -29,7 +29,7 @@ BASE = dict(num_experts=4, top_k=2, expert_d_ff=16)
         (dict(drop_policy="random"), "moe.drop_policy"),
         (dict(aux_loss_coef=-0.01), "moe.aux_loss_coef"),
         (dict(z_loss_coef=-0.01), "moe.z_loss_coef"),
-        (dict(aux_loss_scope="global"), "moe.aux_loss_scope"),
+        (dict(aux_loss_scope="batch"), "moe.aux_loss_scope"),
         (dict(top_k=1), "moe.router.renormalize_topk=True with moe.top_k=1"),
         (dict(router=dict(score_fn="relu")), "moe.router.score_fn"),
         (dict(router=dict(score_fn="sigmoid", softmax_after_topk=True)), "moe.router.softmax_after_topk"),

@@ -12,6 +12,7 @@ from moe.losses import load_balancing_loss
 from moe.moe_config import MoEConfig, RouterConfig
 from moe.moe_layer import MoELayer, MoEOutput, update_balancing_biases
 from moe.stats import MoEStats, summarize
+from moe_platform.testing import run_distributed
 
 D = 8
 
@@ -217,6 +218,36 @@ def test_with_bias_balancing_the_aux_loss_counts_the_unbiased_top_k(score_fn: st
     # The statistics still report the experts that really computed (the biased choice).
     biased_counts = torch.bincount(route.topk_ids_NK.flatten(), minlength=4)
     assert out.stats.tokens_per_expert_before.tolist() == biased_counts.tolist()
+
+
+def global_scope_loss_and_router_grad(rank: int, world_size: int, x, mask, state) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = make_layer("gelu", aux_loss_scope="global", aux_loss_coef=1.0, z_loss_coef=0.0)
+    layer.load_state_dict(state)
+    out = layer(x.chunk(world_size)[rank], mask.chunk(world_size)[rank])
+    out.aux_loss.backward()
+    return out.aux_loss.detach(), layer.router.weight.grad
+
+
+@pytest.mark.slow
+def test_global_scope_on_two_ranks_equals_one_process_on_the_concatenated_batch():
+    """Megatron's global_aux_loss: counts pooled over data-parallel ranks. The ranks' mean loss and mean router
+    gradient (what DDP averages) equal one process's on both ranks' micro-batches together; ranks hold unequal
+    numbers of real tokens."""
+    torch.manual_seed(0)
+    layer = make_layer("gelu", aux_loss_scope="global", aux_loss_coef=1.0, z_loss_coef=0.0)
+    x = torch.randn(4, 6, D, dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    mask[3, 2:] = 0  # rank 1 routes 8 real tokens, rank 0 twelve
+    ranks = run_distributed(global_scope_loss_and_router_grad, 2, x, mask, layer.state_dict())
+    pooled = layer(x, mask)
+    pooled.aux_loss.backward()
+    torch.testing.assert_close(torch.stack([loss for loss, _ in ranks]).mean(), pooled.aux_loss.detach())
+    torch.testing.assert_close(torch.stack([grad for _, grad in ranks]).mean(dim=0), layer.router.weight.grad)
+    # Balance per rank alone is a different objective, so the test above can tell the two apart.
+    local = make_layer("gelu", aux_loss_coef=1.0, z_loss_coef=0.0)
+    local.load_state_dict(layer.state_dict())
+    per_rank = torch.stack([local(x[:2], mask[:2]).aux_loss, local(x[2:], mask[2:]).aux_loss]).mean()
+    assert abs(per_rank.item() - pooled.aux_loss.item()) > 1e-6
 
 
 def test_sequence_scope_balances_each_sequence_of_the_micro_batch():

@@ -70,6 +70,19 @@ def test_deepspeed_runs_as_one_plain_process_without_a_launcher(tmp_path: Path, 
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
+def test_global_aux_scope_on_two_ranks_equals_one_process_on_their_pooled_micro_batches(tmp_path: Path) -> None:
+    """aux_loss_scope=global pools each micro-batch's expert counts over the ranks: 2 DDP ranks with micro-batches
+    of 4 train exactly like 1 process with micro-batches of 8 (the same 8 samples per micro-step)."""
+    scope = ["model.moe.aux_loss_scope=global", "data.global_batch_size=8"]
+    moe_train(tmp_path / "one", *scope, "trainer.micro_batch_size=8")
+    moe_train(tmp_path / "two", *scope, "trainer.micro_batch_size=4", "distributed=ddp", nproc=2)
+    one, _ = read_metrics(tmp_path / "one")
+    two, _ = read_metrics(tmp_path / "two")
+    for step in STEPS:
+        for key in ("aux_loss", "loss", "grad_norm"):
+            assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
 def test_accelerate_launch_starts_real_ranks_too(tmp_path: Path, single_process_run) -> None:
     result = moe_train(tmp_path, "distributed=zero2", nproc=2, launcher="accelerate")
     assert "2 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
