@@ -28,7 +28,7 @@ FP32_BYTES = 4
 class Memory:
     """What this node offers one rank's device and all its ranks' host memory, in bytes."""
 
-    device: str  # "GPU <name>" or "CPU"
+    gpu: str | None  # the GPU's name; None on CPU
     device_bytes: float  # free memory of this rank's GPU; on CPU the host's available memory
     host_bytes: float  # the host's available memory, shared by the ranks of this node
 
@@ -44,10 +44,12 @@ class Demand:
 
 def this_machine_memory(local_rank: int) -> Memory:
     available = float(psutil.virtual_memory().available)
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(local_rank)
-        return Memory(f"GPU {torch.cuda.get_device_name(local_rank)}", float(free), available)
-    return Memory("CPU", available, available)
+    if not torch.cuda.is_available():
+        return Memory(None, available, available)
+    # A rank sees all of the node's GPUs (index = local rank) or, under some Slurm set-ups, only its own (index 0).
+    device = local_rank if local_rank < torch.cuda.device_count() else 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return Memory(torch.cuda.get_device_name(device), float(free), available)
 
 
 def local_rank() -> int:
@@ -75,7 +77,7 @@ def check_training_state_fits(config: TrainConfig, world_size: int, local_ranks:
     """Raise a one-sentence ConfigError when the training state, or building the model, cannot fit this machine."""
     if not config.distributed.check_memory:
         return
-    has_gpu = memory.device != "CPU"
+    has_gpu = memory.gpu is not None
     demand = training_state_demand(config, world_size, has_gpu)
     # What ZeRO-3 would spread over N ranks: bytes at N ranks are these divided by N.
     zero3 = training_state_demand(_with_zero3(config), 1, has_gpu)
@@ -88,7 +90,7 @@ def check_training_state_fits(config: TrainConfig, world_size: int, local_ranks:
         if not config.distributed.offload_params:
             remedies.append("offload it to host memory with distributed=zero3_offload")
         raise ConfigError(
-            f"{model} needs {_gb(demand.device_bytes)} of training state per GPU ({layout}) but {memory.device} has "
+            f"{model} needs {_gb(demand.device_bytes)} of training state per GPU ({layout}) but the {memory.gpu} has "
             f"{_gb(memory.device_bytes)} free: {', '.join([*remedies, SMALLER_PRESET])}, {override}"
         )
     host_per_rank = max(demand.host_bytes, demand.build_host_bytes)

@@ -29,11 +29,11 @@ def preset(model: str, strategy: str = "single", zero_stage: int = 0, precision:
 
 
 def cpu(host_gb: float) -> Memory:
-    return Memory("CPU", host_gb * GB, host_gb * GB)
+    return Memory(None, host_gb * GB, host_gb * GB)
 
 
 def gpu(free_gb: float, host_gb: float) -> Memory:
-    return Memory("GPU NVIDIA H100 80GB HBM3", free_gb * GB, host_gb * GB)
+    return Memory("NVIDIA H100 80GB HBM3", free_gb * GB, host_gb * GB)
 
 
 def refusal(config: TrainConfig, world: int, local: int, memory: Memory) -> str:
