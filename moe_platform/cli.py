@@ -32,6 +32,7 @@ from moe_platform.checkpoint import (
 )
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
 from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
+from moe_platform.preemption import RequeueLimitReached
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
@@ -93,6 +94,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
         print(f"{kind} error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RequeueLimitReached as err:  # the checkpoint is complete; the job just may not requeue again
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(3)
 
 
 def register_configs() -> None:

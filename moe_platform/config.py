@@ -9,6 +9,7 @@ which runs before any process group or allocation. Loading a saved config.yaml n
 
 import math
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -122,6 +123,25 @@ class LoggingConfig:
 
 
 @dataclass
+class PreemptionConfig:
+    """What a preemption or time-limit signal does: checkpoint at the next step boundary, then (under Slurm)
+    requeue the job, which resumes from that checkpoint. See preemption.py."""
+
+    enabled: bool = True
+    signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    requeue: bool = True  # under Slurm: `scontrol requeue` once the checkpoint is complete
+    max_requeues: int = 20  # Slurm's SLURM_RESTART_COUNT at which the job stops instead of requeueing again
+
+    def __post_init__(self) -> None:
+        for name in self.signals:
+            _require(
+                name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
+                f"preemption.signals has {name!r}, which is not a signal a process can catch: use e.g. SIGUSR1",
+            )
+        _require(self.max_requeues >= 0, f"preemption.max_requeues={self.max_requeues} must be >= 0")
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200  # the schedule's length
     stop_at: Optional[int] = None  # end this job after this step (checkpointed), schedule unchanged: time slices
@@ -163,6 +183,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     resume: str = "none"  # "none", "auto" (latest complete checkpoint in the run dir, if any), or a path
 
     def __post_init__(self) -> None:

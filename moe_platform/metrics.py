@@ -7,6 +7,7 @@ TensorBoard when enabled.
 """
 
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,17 @@ def reduce_moe_stats(accelerator: Accelerator, stats_by_layer: dict[int, MoEStat
     return record
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run directory's wandb id: made once, kept in the run directory, reused by every job that resumes it."""
+    path = run_dir / WANDB_ID_FILE
+    if not path.is_file():
+        path.write_text(secrets.token_hex(8))  # wandb accepts any letters and digits as a run id
+    return path.read_text().strip()
+
+
 class MetricSinks:
     """metrics.jsonl on rank 0 always; wandb / TensorBoard on rank 0 when enabled. Other ranks write nothing."""
 
@@ -57,6 +69,8 @@ class MetricSinks:
                 config=config_dict,
                 mode=logging_config.wandb_mode,
                 name=Path(run_dir).name,
+                id=wandb_run_id(Path(run_dir)),
+                resume="allow",  # a resumed or requeued job continues the same wandb run
             )
         if logging_config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -12,6 +12,7 @@ import queue
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,33 @@ def moe_train(
     return result
 
 
+def start_moe_train(
+    run_dir: Path, *overrides: str, nproc: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`moe-train` (through torchrun when nproc > 1) started in the background, in its own process group, for tests
+    that act on a run while it trains (signals, preemption); stdout and stderr go to run_dir/../<name>.log."""
+    args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    command = _launch_command("torchrun" if nproc > 1 else None, nproc, args)
+    log = open(Path(run_dir).parent / f"{Path(run_dir).name}.log", "w")
+    return subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**subprocess_env(), **(env or {})},
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_logged_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Block until metrics.jsonl holds a record of `step` (the run is past it), or fail if the run ended first."""
+    deadline = time.monotonic() + timeout
+    metrics = Path(run_dir) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (exit {process.returncode}) before step {step}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
+
+
 def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[str]:
     if launcher is None:
         return [str(BIN / "moe-train"), *args]
@@ -91,7 +119,8 @@ def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[s
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
-    """(train records by step, eval records by step) from metrics.jsonl; a resumed run appends to the file."""
+    """(train records by step, eval records by step) from metrics.jsonl; a resumed run appends to the file.
+    A step recorded twice would be hidden here: `metric_steps` lists every record's step, repeats included."""
     train, evals = {}, {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -153,3 +182,9 @@ def _distributed_worker(source: tuple[str, str], rank: int, world_size: int, por
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    """The step of every training record in metrics.jsonl, in file order, repeats included."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [record["step"] for record in records if "loss" in record]

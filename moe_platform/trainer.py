@@ -6,8 +6,10 @@ Per optimizer step, on every rank:
      backward (Accelerate divides by grad_accum, or DeepSpeed does) → collect the MoE layers' raw counts
   3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients, clip, and step the optimizer
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks)
-  5. every `log_every` steps: reduce losses and expert statistics over ranks, write one record
-  6. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
+  5. at the step boundary the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
+  6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record
+  7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
+  8. when preempted: log the window, every rank saves, requeue (preemption.py), stop
 """
 
 import contextlib
@@ -31,6 +33,7 @@ from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
+from moe_platform.preemption import PreemptionWatch
 from moe_platform.progress import Progress
 from moe_platform.seeding import seed_initial_weights, seed_noise_streams
 from moe_platform.throughput import Throughput
@@ -118,6 +121,7 @@ class Trainer:
         accelerator.register_for_checkpointing(self.state, self.data.train)
         self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
         self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
+        self.preemption = PreemptionWatch(config.preemption, self.run_dir, accelerator)
         self.throughput = Throughput(
             flops_per_token=matmul_flops_per_token(config.model, config.data.seq_len).training,
             num_devices=accelerator.num_processes,
@@ -134,22 +138,27 @@ class Trainer:
         trainer = self.config.trainer
         end_step = trainer.stop_at or trainer.max_steps
         train_batches = iter(self.data.train)
-        last = {}
+        last, preempted = {}, False
         with Progress(trainer.max_steps, self.state.step, enabled=self._show_progress()) as progress:
             window = LogWindow()
             while self.state.step < end_step:
                 window.add(*self.train_step(train_batches))
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
-                if self.state.step % trainer.log_every == 0 or self.state.step == end_step:
+                preempted = self.preemption.requested()  # collective: every rank stops after the same step
+                if self.state.step % trainer.log_every == 0 or self.state.step == end_step or preempted:
                     last = self._log(window)
                     progress.update(self.state.step, last)
                     window = LogWindow()
+                if preempted:
+                    break
                 with window.paused():  # tokens/s and FLOP/s count training time only
                     if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
                         last.update(self._log_eval())
                     if trainer.save_every and self.state.step % trainer.save_every == 0:
                         self.save()
+        if preempted:
+            return self._stop_for_preemption(last)
         if self.data.val is not None and not (trainer.eval_every and end_step % trainer.eval_every == 0):
             last.update(self._log_eval())
         if (trainer.save_final or end_step < trainer.max_steps) and not (
@@ -158,7 +167,18 @@ class Trainer:
             self.save()
         self._print_end(last)
         self.sinks.close()
+        self.preemption.close()
         return last
+
+    def _stop_for_preemption(self, last: dict[str, Any]) -> dict[str, Any]:
+        """Every rank saves this step, then rank 0 requeues the job (or says how to continue)."""
+        checkpoint = self.save()
+        self.sinks.close()
+        self.preemption.close()
+        message = self.preemption.after_checkpoint(self.state.step, checkpoint)
+        if self.accelerator.is_main_process:
+            print(message, flush=True)
+        return {**last, "preempted": True}
 
     def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats]]:
         """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm

@@ -5,11 +5,14 @@ order of floating-point reductions differs), and ZeRO must really shard: the opt
 measured from the optimizer itself.
 """
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from moe_platform.testing import moe_train, read_metrics
+from moe_platform.testing import BIN, FAST, free_port, moe_train, read_metrics, subprocess_env
+
+LAUNCH = Path(__file__).resolve().parents[2] / "slurm" / "launch.sh"
 
 pytestmark = pytest.mark.slow
 STEPS = range(1, 7)
@@ -81,6 +84,31 @@ def test_global_aux_scope_on_two_ranks_equals_one_process_on_their_pooled_micro_
     for step in STEPS:
         for key in ("aux_loss", "loss", "grad_norm"):
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_two_node_launchers_on_loopback_form_one_job_without_slurm(tmp_path: Path, single_process_run) -> None:
+    """slurm/launch.sh from MASTER_ADDR/MASTER_PORT/NNODES/NODE_RANK, one launcher per "node": node ranks 0 and 1
+    join one process group of world size 2 and train like one process."""
+    env = {
+        **subprocess_env(),
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2", "NPROC_PER_NODE": "1"},
+        "MOE_BIN": str(BIN),
+    }
+    args = [*FAST, "distributed=ddp", f"hydra.run.dir={tmp_path / 'run'}"]
+    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]  # files, not pipes: a full pipe would stall a rank
+    launchers = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as out:
+            node_env = {**env, "NODE_RANK": str(rank)}
+            launchers.append(subprocess.Popen([str(LAUNCH), *args], env=node_env, stdout=out, stderr=subprocess.STDOUT))
+    for launcher, log in zip(launchers, logs, strict=True):
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert "launch: node 0/2" in logs[0].read_text() and "launch: node 1/2" in logs[1].read_text()
+    assert "2 rank(s), MULTI_CPU, model wrapped as DistributedDataParallel" in logs[0].read_text()
+    train, _ = read_metrics(tmp_path / "run")
+    single, _ = single_process_run
+    for step in STEPS:
+        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
 def test_accelerate_launch_starts_real_ranks_too(tmp_path: Path, single_process_run) -> None:

@@ -139,3 +139,11 @@ def test_a_cpu_run_without_a_configured_peak_reports_flops_but_no_mfu(tmp_path: 
     assert "mfu" not in record, "a matmul probe is not a peak: no MFU on CPU"
     assert record["model_tflops_per_device"] > 0 and record["model_flops_vs_matmul_probe"] > 0
     assert "no MFU: a CPU has no datasheet peak; set logging.peak_tflops" in result.stdout
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
+    moe_train(tmp_path, "logging=wandb", "trainer.max_steps=4", "trainer.stop_at=2")
+    moe_train(tmp_path, "logging=wandb", "trainer.max_steps=4", "resume=auto")
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    offline_runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)

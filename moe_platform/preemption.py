@@ -1,0 +1,101 @@
+"""Preemption and time limits: signal → flag → the ranks agree at a step boundary → every rank saves → requeue.
+
+Who is told, and how:
+  * A signal in `preemption.signals` (SIGUSR1: Slurm's `--signal=B:USR1@grace` warning before the time limit;
+    SIGTERM: Slurm preempting or cancelling the job) reaching a training process only sets a flag: a handler must not
+    save in the middle of a step.
+  * Under a launcher (torchrun) the batch shell, not the training processes, receives `--signal=B:USR1`; the
+    sbatch template's trap writes the request file `RUN_DIR/.preempt` instead, which every rank reads at the step
+    boundary (the run directory is shared by all nodes).
+  * At each step boundary the ranks all-reduce (max) their flags, so all of them stop after the same step: a
+    checkpoint of ZeRO shards needs every rank's save, not rank 0's alone.
+Then every rank writes the checkpoint, rank 0 removes the request file and, under Slurm, requeues the job
+(`scontrol requeue $SLURM_JOB_ID`); the requeued job starts the same script with `resume=auto` in the same run
+directory, so no step is lost or repeated. Slurm counts requeues in SLURM_RESTART_COUNT: past
+`preemption.max_requeues` the job stops with a message instead of requeueing. A second signal while the first is
+pending falls back to the signal's default action, so an impatient Ctrl-C or kill still works.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from moe_platform.config import PreemptionConfig
+
+log = logging.getLogger(__name__)
+
+REQUEST_FILE = ".preempt"  # written by slurm/train.sbatch's trap; read by every rank at step boundaries
+
+
+class RequeueLimitReached(RuntimeError):
+    """Preempted with a complete checkpoint, but the job has used its allowed requeues: it stops here."""
+
+
+class PreemptionWatch:
+    """Installs the signal handlers; `requested()` (collective) says at a step boundary whether to stop."""
+
+    def __init__(self, config: PreemptionConfig, run_dir: Path, accelerator: Accelerator) -> None:
+        self.config, self.accelerator = config, accelerator
+        self.request_file = Path(run_dir) / REQUEST_FILE
+        self.signalled: str | None = None
+        self._previous_handlers: dict[int, object] = {}
+        if not config.enabled:
+            return
+        if accelerator.is_main_process and self.request_file.exists():
+            # Left by a job that died before acting on it; honouring it would stop this job after one step.
+            self.request_file.unlink()
+        accelerator.wait_for_everyone()
+        for name in config.signals:
+            signum = signal.Signals[name]
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled is not None:  # asked twice: stop waiting for the step boundary
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signalled = name
+
+    def requested(self) -> bool:
+        """Collective: True on every rank when any rank was signalled or the request file exists."""
+        if not self.config.enabled:
+            return False
+        local = self.signalled is not None or self.request_file.exists()
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([float(local)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+
+    def after_checkpoint(self, step: int, checkpoint: Path) -> str:
+        """Rank 0 clears the request and, under Slurm, requeues the job; returns what happened in one line.
+        Raises RequeueLimitReached when the job may not be requeued again."""
+        why = self.signalled or f"{REQUEST_FILE} request"
+        what = f"stopped at step {step} ({why}); checkpoint {checkpoint} is complete"
+        if self.accelerator.is_main_process:
+            self.request_file.unlink(missing_ok=True)
+        job_id = os.environ.get("SLURM_JOB_ID")
+        if not (self.config.requeue and job_id):
+            return f"{what}: continue with resume=auto in the same run directory"
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        if restarts >= self.config.max_requeues:
+            raise RequeueLimitReached(
+                f"{what}, but job {job_id} was already requeued {restarts} times (preemption.max_requeues="
+                f"{self.config.max_requeues}): it is not requeued again; resubmit with resume=auto to continue"
+            )
+        if self.accelerator.is_main_process:
+            result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{what}, but `scontrol requeue {job_id}` failed: {result.stderr.strip()}")
+        return f"{what}: requeued Slurm job {job_id} (requeue {restarts + 1} of at most {self.config.max_requeues})"
+
+    def close(self) -> None:
+        """Put back the handlers that were there before."""
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()

@@ -1,0 +1,109 @@
+"""Preemption without Slurm: a signal (or the batch shell's request file) stops every rank after the same step with a
+complete checkpoint and exit 0; resume=auto continues with no step lost or repeated, bit-exact on CPU in fp32."""
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+from moe_platform.preemption import REQUEST_FILE
+from moe_platform.testing import metric_steps, moe_train, read_metrics, start_moe_train, wait_for_logged_step
+
+pytestmark = pytest.mark.slow
+STEPS = 20
+LONG = [f"trainer.max_steps={STEPS}", "trainer.save_final=true"]
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the training processes a torchrun launcher started."""
+    workers = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        rank = child.environ().get("RANK")
+        if rank is not None and "moe-train" in " ".join(child.cmdline()):
+            workers[int(rank)] = child.pid
+    return workers
+
+
+def finish(process: subprocess.Popen, timeout: float = 180.0) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
+def assert_stopped_once_and_resumes_exactly(run_dir: Path, reference: Path, *overrides: str, nproc: int) -> int:
+    """The interrupted run holds one complete checkpoint at the step it stopped; after resume=auto every step is in
+    metrics.jsonl exactly once and the losses equal the uninterrupted run's, bit for bit."""
+    stopped_at = max(metric_steps(run_dir))
+    assert stopped_at < STEPS, "the signal arrived too late to interrupt the run"
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
+    assert not (run_dir / REQUEST_FILE).exists(), "the request was cleared"
+    moe_train(run_dir, *LONG, *overrides, "resume=auto", nproc=nproc)
+    assert metric_steps(run_dir) == list(range(1, STEPS + 1))
+    resumed, _ = read_metrics(run_dir)
+    straight, _ = read_metrics(reference)
+    assert [resumed[s]["loss"] for s in range(1, STEPS + 1)] == [straight[s]["loss"] for s in range(1, STEPS + 1)]
+    return stopped_at
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for name, overrides, nproc in (("single", [], 1), ("zero2", ["distributed=zero2"], 2)):
+        runs[name] = tmp_path_factory.mktemp(name)
+        moe_train(runs[name], *LONG, *overrides, nproc=nproc)
+    return runs
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_stops_one_process_after_a_checkpoint_and_resume_is_exact(tmp_path, uninterrupted, signum) -> None:
+    run_dir = tmp_path / "run"
+    process = start_moe_train(run_dir, *LONG)
+    wait_for_logged_step(run_dir, 3, process)
+    process.send_signal(signum)
+    assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    log = (tmp_path / "run.log").read_text()
+    assert f"({signum.name}); checkpoint" in log and "continue with resume=auto" in log
+    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["single"], nproc=1)
+
+
+def test_a_signal_to_one_zero_rank_stops_both_at_the_same_step(tmp_path, uninterrupted) -> None:
+    """Only rank 1 is told; the all-reduced flag stops rank 0 too, and both write their ZeRO-2 shards."""
+    run_dir = tmp_path / "run"
+    launcher = start_moe_train(run_dir, *LONG, "distributed=zero2", nproc=2)
+    wait_for_logged_step(run_dir, 3, launcher)
+    os.kill(worker_pids(launcher)[1], signal.SIGUSR1)
+    assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    stopped_at = assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], "distributed=zero2", nproc=2)
+    shards = run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "pytorch_model"
+    for rank in (0, 1):  # each rank saved its own shard of the optimizer state at the same step
+        assert (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
+
+
+def test_the_request_file_of_the_batch_shell_stops_every_rank(tmp_path, uninterrupted) -> None:
+    """slurm/train.sbatch's trap writes RUN_DIR/.preempt when `--signal=B:USR1` reaches the batch shell."""
+    run_dir = tmp_path / "run"
+    launcher = start_moe_train(run_dir, *LONG, "distributed=zero2", nproc=2)
+    wait_for_logged_step(run_dir, 3, launcher)
+    (run_dir / REQUEST_FILE).touch()
+    assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    assert f"({REQUEST_FILE} request)" in (tmp_path / "run.log").read_text()
+    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], "distributed=zero2", nproc=2)
+
+
+def test_past_the_last_allowed_requeue_the_job_stops_with_a_message(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "2"}
+    process = start_moe_train(run_dir, *LONG, "preemption.max_requeues=2", env=slurm)
+    wait_for_logged_step(run_dir, 2, process)
+    process.send_signal(signal.SIGUSR1)
+    assert finish(process) == 3
+    log = (tmp_path / "run.log").read_text()
+    assert "job 4242 was already requeued 2 times (preemption.max_requeues=2): it is not requeued again" in log
+    assert "Traceback" not in log
+    stopped_at = max(metric_steps(run_dir))
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir(), "the checkpoint is written all the same"
