@@ -87,9 +87,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
-def _hydra_main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     try:
-        run(cfg)
+        return run(cfg)  # a sweep's launcher (e.g. submitit) hands each job's last metrics back
     except tuple(BAD_INPUT) as err:  # a user's mistake: one sentence, no trace; anything else keeps its traceback
         kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
         print(f"{kind} error: {err}", file=sys.stderr)
