@@ -49,6 +49,7 @@ def test_the_template_trains_across_two_nodes_like_two_local_processes(slurm, tm
     assert re.search(r"launch: node 0/2 .*\(node1\)", log) and re.search(r"launch: node 1/2 .*\(node2\)", log), log
     assert "2 rank(s), MULTI_CPU, model wrapped as DistributedDataParallel" in log
     assert slurm.job_info(job)["nodes"] == ["node1", "node2"]
+    assert (run_dir / f"slurm-{job}.out").read_text() == log, "the run directory links to the job's log"
     train, _ = read_metrics(run_dir)
     for step in range(1, 7):
         assert train[step]["loss"] == pytest.approx(local_two_ranks[step]["loss"], rel=1e-6), step
