@@ -27,6 +27,13 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago (another process may still take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -36,9 +43,7 @@ def describe_lone_process_group() -> None:
     127.0.0.1, as torchrun --nproc_per_node=1 would give it; a launched process is left as its launcher set it."""
     if any(name in os.environ for name in LAUNCHER_VARIABLES):
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     os.environ.update({**one_rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     log.info("no launcher: DeepSpeed runs as a one-rank process group on 127.0.0.1:%d", port)

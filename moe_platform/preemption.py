@@ -7,7 +7,7 @@ Who is told, and how:
   * Under a launcher (torchrun) the batch shell, not the training processes, receives `--signal=B:USR1`; the
     sbatch template's trap writes the request file `RUN_DIR/.preempt` instead, which every rank reads at the step
     boundary (the run directory is shared by all nodes).
-  * At each step boundary the ranks all-reduce (max) their flags, so all of them stop after the same step: a
+  * At each step boundary the ranks all-reduce (sum) their flags, so all of them stop after the same step: a
     checkpoint of ZeRO shards needs every rank's save, not rank 0's alone.
 Then every rank writes the checkpoint, rank 0 removes the request file and, under Slurm, requeues the job
 (`scontrol requeue $SLURM_JOB_ID`); the requeued job starts the same script with `resume=auto` in the same run
@@ -16,7 +16,6 @@ directory, so no step is lost or repeated. Slurm counts requeues in SLURM_RESTAR
 pending falls back to the signal's default action, so an impatient Ctrl-C or kill still works.
 """
 
-import logging
 import os
 import signal
 import subprocess
@@ -26,8 +25,6 @@ import torch
 from accelerate import Accelerator
 
 from moe_platform.config import PreemptionConfig
-
-log = logging.getLogger(__name__)
 
 REQUEST_FILE = ".preempt"  # written by slurm/train.sbatch's trap; read by every rank at step boundaries
 

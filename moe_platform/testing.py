@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from moe_platform.distributed import free_port
 
 BIN = Path(sys.executable).parent
 # Seconds-long runs: tiny MoE on a small synthetic corpus, every step logged, no eval unless asked.
@@ -35,12 +36,6 @@ FAST = [
     "logging.progress_bar=false",
     "logging.peak_tflops=1.0",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict[str, str]:
@@ -82,11 +77,11 @@ def start_moe_train(
     that act on a run while it trains (signals, preemption); stdout and stderr go to run_dir/../<name>.log."""
     args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
     command = _launch_command("torchrun" if nproc > 1 else None, nproc, args)
-    log = open(Path(run_dir).parent / f"{Path(run_dir).name}.log", "w")
-    return subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**subprocess_env(), **(env or {})},
-        start_new_session=True,
-    )  # fmt: skip
+    with open(Path(run_dir).parent / f"{Path(run_dir).name}.log", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, text=True, env={**subprocess_env(), **(env or {})},
+            start_new_session=True,
+        )  # fmt: skip
 
 
 def wait_for_logged_step(run_dir: Path, step: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
