@@ -46,8 +46,21 @@ def sbatch_option(options: list[str], long: str, short: str | None = None) -> st
 
 
 def template_options(template: str) -> list[str]:
-    """The `#SBATCH` options of a batch script, in order."""
-    return [line.split(None, 1)[1].strip() for line in template.splitlines() if line.startswith("#SBATCH ")]
+    """The `#SBATCH` options of a batch script as command-line tokens, in order (`--nodes 2` gives two)."""
+    lines = [line.removeprefix("#SBATCH ") for line in template.splitlines() if line.startswith("#SBATCH ")]
+    return [token for line in lines for token in shlex.split(line)]
+
+
+def option_lines(tokens: list[str]) -> list[str]:
+    """Command-line tokens grouped one option per line: a token that does not start with '-' is the value of the
+    option before it (`--nodes 2`, `-J name`)."""
+    lines: list[str] = []
+    for token in tokens:
+        if token.startswith("-") or not lines:
+            lines.append(shlex.quote(token))
+        else:
+            lines[-1] += f" {shlex.quote(token)}"
+    return lines
 
 
 def job_shape(options: list[str]) -> tuple[int, int]:
@@ -70,7 +83,7 @@ def render(template: str, options: list[str], overrides: list[str], run_dir: Pat
     body = SETTINGS.sub(lambda _: settings, template, count=1)
     lines = body.splitlines(keepends=True)
     last_sbatch = max(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
-    added = [f"#SBATCH {option}\n" for option in [*options, f"--output={run_dir}/slurm-%j.out"]]
+    added = [f"#SBATCH {line}\n" for line in option_lines([*options, f"--output={run_dir}/slurm-%j.out"])]
     return "".join([*lines[: last_sbatch + 1], "# moe-submit:\n", *added, *lines[last_sbatch + 1 :]])
 
 
