@@ -9,10 +9,14 @@ from moe.ledger import (
     FlopsPerToken,
     RunShape,
     TrainingStateBytes,
+    all_to_all_bytes_per_step,
+    expert_params_per_rank,
     format_ledger,
     kv_cache_bytes,
     matmul_flops_per_token,
+    params_per_rank,
     training_state_bytes,
+    training_state_bytes_per_rank,
 )
 from moe.model import ModelOutput, Transformer
 from moe.moe_config import MoEConfig
@@ -33,11 +37,15 @@ __all__ = [
     "RunShape",
     "TrainingStateBytes",
     "Transformer",
+    "all_to_all_bytes_per_step",
     "build_attention_mask",
     "count_parameters",
+    "expert_params_per_rank",
     "format_ledger",
     "grouped_attention",
     "kv_cache_bytes",
     "matmul_flops_per_token",
+    "params_per_rank",
     "training_state_bytes",
+    "training_state_bytes_per_rank",
 ]

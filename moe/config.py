@@ -121,6 +121,9 @@ class ParameterCount:
     ffn_total: int  # all dense FFNs + all experts, routers and shared experts
     ffn_active: int  # what one token touches: dense FFNs + per MoE layer router, top-k experts, shared experts
     norms: int
+    # The E routed experts of every MoE layer, a part of ffn_total: what expert parallelism divides among ranks
+    # (routers and shared experts stay replicated).
+    routed_experts: int = 0
 
     @property
     def total(self) -> int:
@@ -144,11 +147,14 @@ def norm_num_params(config: ModelConfig) -> int:
 
 
 def count_parameters(config: ModelConfig) -> ParameterCount:
-    ffn_total = ffn_active = 0
+    ffn_total = ffn_active = routed_experts = 0
     for layer in range(config.n_layers):
         if config.is_moe_layer(layer):
             ffn_total += config.moe.num_params(config.d_model, config.activation)
             ffn_active += config.moe.num_active_params(config.d_model, config.activation)
+            routed_experts += config.moe.num_experts * ffn_num_params(
+                config.d_model, config.moe.expert_d_ff, config.activation
+            )
         else:
             dense = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
             ffn_total += dense
@@ -161,4 +167,5 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
         ffn_total=ffn_total,
         ffn_active=ffn_active,
         norms=(2 * config.n_layers + 1) * norm_num_params(config),
+        routed_experts=routed_experts,
     )

@@ -3,6 +3,10 @@
 Seed 000 ("把参数、激活、缓存和运算分开记账") and seed 001 §1.5 insist that parameters, training-state bytes,
 KV-cache bytes and matmul FLOPs are different quantities with different units and assumptions; adding them into
 one "model size" distorts every estimate. Each row here therefore carries the assumption it was computed under.
+
+Under expert parallelism (EP > 1) a fifth table gives the per-rank figures that EP changes. Legend there:
+W all ranks, EP ranks sharing one MoE layer's experts, E routed experts, K experts per token, D model width,
+L_moe MoE layers, N tokens per micro-batch, s bytes per activation element.
 """
 
 from dataclasses import dataclass
@@ -27,6 +31,8 @@ PRECISION_ASSUMPTIONS = {
     "fp32": "fp32 weights 4 B + fp32 grads 4 B + AdamW m, v fp32 8 B",
     "bf16": "bf16 weights 2 B + bf16 grads 2 B + fp32 master 4 B + AdamW m, v fp32 8 B",
 }
+# Bytes per element of the hidden vectors that move between ranks (expert-parallel all-to-all).
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,86 @@ def training_state_bytes(num_params: int, precision: str, zero_stage: int, dp_si
         gradients=num_params * grad_b * (shard if zero_stage >= 2 else 1.0),
         optimizer=num_params * optim_b * (shard if zero_stage >= 1 else 1.0),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism
+# ---------------------------------------------------------------------------------------------------------------
+#
+# EP ranks split every MoE layer's E routed experts into contiguous blocks of E/EP. Everything else (embeddings,
+# attention, norms, dense FFNs, routers, shared experts) is replicated on all W ranks, and each expert block is
+# replicated on the W/EP ranks that hold it (its expert-data-parallel group). So ZeRO shards the replicated state
+# over W ranks and the expert state over W/EP ranks.
+
+
+def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | None = None) -> None:
+    if ep_size < 1:
+        raise ValueError(f"ep_size={ep_size} must be >= 1: use 1 for no expert parallelism")
+    if ep_size == 1:
+        return
+    if config.moe is None:
+        raise ValueError(f"ep_size={ep_size} needs MoE layers but the model is dense: use ep_size=1")
+    if config.moe.num_experts % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} does not divide moe.num_experts={config.moe.num_experts}: "
+            "choose an EP size that divides the number of experts"
+        )
+    if world_size is not None and world_size % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} does not divide the world size W={world_size}: "
+            "choose an EP size that divides the number of ranks"
+        )
+
+
+def expert_params_per_rank(config: ModelConfig, ep_size: int) -> int:
+    """Routed-expert parameters one rank holds: Σ over MoE layers of (E/EP) experts = routed experts / EP."""
+    _check_expert_parallel(config, ep_size)
+    return count_parameters(config).routed_experts // ep_size
+
+
+def params_per_rank(config: ModelConfig, ep_size: int) -> int:
+    """All parameters one rank holds: replicated (everything but routed experts, routers included) + routed / EP."""
+    params = count_parameters(config)
+    return params.total - params.routed_experts + expert_params_per_rank(config, ep_size)
+
+
+def training_state_bytes_per_rank(
+    config: ModelConfig, precision: str, zero_stage: int, world_size: int, ep_size: int = 1
+) -> TrainingStateBytes:
+    """Per-rank weights, gradients and optimizer state with `world_size` ranks of which `ep_size` split the experts.
+
+    Replicated parameters are ZeRO-sharded over W ranks, the rank's routed experts (routed / EP) over the W/EP
+    ranks that hold the same block; at EP=1 this is `training_state_bytes(total, …, W)`.
+    """
+    _check_expert_parallel(config, ep_size, world_size)
+    params = count_parameters(config)
+    replicated = training_state_bytes(params.total - params.routed_experts, precision, zero_stage, world_size)
+    experts = training_state_bytes(
+        expert_params_per_rank(config, ep_size), precision, zero_stage, world_size // ep_size
+    )
+    return TrainingStateBytes(
+        weights=replicated.weights + experts.weights,
+        gradients=replicated.gradients + experts.gradients,
+        optimizer=replicated.optimizer + experts.optimizer,
+    )
+
+
+def all_to_all_bytes_per_step(
+    config: ModelConfig, tokens_per_micro_batch: int, micro_batches_per_step: int, ep_size: int, bytes_per_element: int
+) -> float:
+    """Bytes one rank sends through expert-parallel all-to-alls per optimizer step, uniform routing, payload only.
+
+    Per MoE layer and micro-batch the N·K (token, expert) assignments go out (dispatch) and come back (combine),
+    and backward moves their gradients the same way: 4 · L_moe · N·K · (EP-1)/EP · D · s, where (EP-1)/EP is the
+    share of assignments whose expert lives on another rank. Dropless: capacity drops would send fewer.
+    """
+    _check_expert_parallel(config, ep_size)
+    if ep_size == 1:
+        return 0.0
+    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.n_layers))
+    assignments = tokens_per_micro_batch * config.moe.top_k
+    per_micro_batch = 4 * moe_layers * assignments * (ep_size - 1) / ep_size * config.d_model * bytes_per_element
+    return per_micro_batch * micro_batches_per_step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -127,8 +213,10 @@ class RunShape:
     seq_len: int = 128
     precision: str = "fp32"
     zero_stage: int = 0
-    dp_size: int = 1
+    dp_size: int = 1  # all ranks W: replicated weights are data-parallel over every rank, with or without EP
     kv_bytes_per_element: int = 2
+    ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (divides dp_size and E)
+    grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
 
 
 def _human(n: float, unit: str) -> str:
@@ -152,9 +240,9 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
 
 
 def format_ledger(config: ModelConfig, run: RunShape) -> str:
-    """The four tables, each row with the assumption it rests on."""
+    """The four tables (five under expert parallelism), each row with the assumption it rests on."""
     params = count_parameters(config)
-    state = training_state_bytes(params.total, run.precision, run.zero_stage, run.dp_size)
+    state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
     flops = matmul_flops_per_token(config, run.seq_len)
     kv = kv_cache_bytes(config, run.micro_batch_size, run.seq_len, run.kv_bytes_per_element)
     kv_per_token = kv_cache_bytes(config, 1, 1, run.kv_bytes_per_element)
@@ -173,7 +261,8 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
             ],
         ),
         _table(
-            f"Training state per rank ({run.precision}, ZeRO-{run.zero_stage}, {run.dp_size} data-parallel ranks)",
+            f"Training state per rank ({run.precision}, ZeRO-{run.zero_stage}, {run.dp_size} data-parallel ranks"
+            + (f", experts over EP={run.ep_size})" if run.ep_size > 1 else ")"),
             [
                 ("weights", _human(state.weights, "B"), "sharded at stage 3"),
                 ("gradients", _human(state.gradients, "B"), "sharded at stage ≥ 2"),
@@ -205,4 +294,42 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
             ],
         ),
     ]
+    if run.ep_size > 1:
+        tables.insert(2, _expert_parallel_table(config, run, state))
     return "\n\n".join(tables)
+
+
+def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
+    W, EP, E = run.dp_size, run.ep_size, config.moe.num_experts
+    optim_b = PRECISION_BYTES[run.precision][2]
+    expert_matrices = 3 if config.activation == "swiglu" else 2  # w_gate (SwiGLU only), w_up, w_down
+    if run.zero_stage >= 1:
+        optimizer_formula = f"{optim_b} B · (replicated / W + routed / EP / (W/EP)), ZeRO-{run.zero_stage}"
+    else:
+        optimizer_formula = f"{optim_b} B · params per rank, ZeRO-0: unsharded"
+    a2a = all_to_all_bytes_per_step(
+        config, run.micro_batch_size * run.seq_len, run.grad_accum, EP, ACTIVATION_BYTES[run.precision]
+    )
+    return _table(
+        f"Expert parallelism (EP={EP} of W={W} ranks: E/EP = {E // EP} experts per rank per MoE layer, "
+        f"each block on W/EP = {W // EP} ranks)",
+        [
+            (
+                "expert params per rank",
+                f"{expert_params_per_rank(config, EP):,}",
+                f"routed experts / EP = L_moe · (E/EP) · {expert_matrices}·D·F",
+            ),
+            (
+                "params per rank",
+                f"{params_per_rank(config, EP):,}",
+                "replicated (all but routed experts; routers, shared experts) + routed / EP",
+            ),
+            ("optimizer per rank", _human(state.optimizer, "B"), optimizer_formula),
+            (
+                "all-to-all per step",
+                _human(a2a, "B"),
+                f"4 · L_moe · B·S·K · (EP-1)/EP · D · s × {run.grad_accum} micro-batches, "
+                f"s = {ACTIVATION_BYTES[run.precision]} B, uniform routing, payload only",
+            ),
+        ],
+    )

@@ -1,13 +1,30 @@
-"""The ledger against the seeds' hand-computed cases and against torch's own FLOP counter."""
+"""The ledger against the seeds' hand-computed cases, torch's own FLOP counter and, under expert parallelism,
+the real model's expert blocks."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from moe import ModelConfig, MoEConfig, RunShape, Transformer, format_ledger, kv_cache_bytes, matmul_flops_per_token
+from moe import (
+    ModelConfig,
+    MoEConfig,
+    RunShape,
+    Transformer,
+    all_to_all_bytes_per_step,
+    count_parameters,
+    expert_params_per_rank,
+    format_ledger,
+    kv_cache_bytes,
+    matmul_flops_per_token,
+    params_per_rank,
+    training_state_bytes_per_rank,
+)
 from moe.config import attention_num_params
-from moe.ledger import training_state_bytes
+from moe.experts import GroupedExperts
+from moe.ledger import PRECISION_BYTES, _human, training_state_bytes
 from moe.moe_config import RouterConfig
 
 
@@ -97,3 +114,174 @@ def test_format_ledger_prints_four_tables_with_assumptions() -> None:
     for title in ("Parameters", "Training state per rank", "KV cache", "Matmul FLOPs per token"):
         assert title in text
     assert "fp32 master" in text and "ZeRO-2" in text and "2 · B · L · S · H_kv · d_h · s" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert parallelism: W ranks, each MoE layer's E experts split into EP contiguous blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+_SMALL = dict(vocab_size=20, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=8)
+EP_CONFIGS = [
+    ModelConfig(**_SMALL, moe=MoEConfig(num_experts=8, top_k=2, expert_d_ff=8, num_shared_experts=1)),
+    ModelConfig(
+        **{**_SMALL, "n_layers": 3, "activation": "gelu"},
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=1,
+            expert_d_ff=8,
+            first_dense_layers=1,
+            moe_layer_interval=2,
+            router=RouterConfig(renormalize_topk=False),
+        ),
+    ),
+    ModelConfig(
+        **_SMALL,
+        tie_embeddings=True,
+        pos_encoding="learned",
+        norm="layernorm",
+        moe=MoEConfig(num_experts=6, top_k=2, expert_d_ff=8, num_shared_experts=2),
+    ),
+]
+
+
+def _ep_sizes(config: ModelConfig) -> list[int]:
+    return [ep for ep in range(1, config.moe.num_experts + 1) if config.moe.num_experts % ep == 0]
+
+
+def _num_moe_layers(config: ModelConfig) -> int:
+    return sum(config.is_moe_layer(layer) for layer in range(config.n_layers))
+
+
+@pytest.mark.parametrize("config", [ModelConfig(), *EP_CONFIGS])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_ep_1_gives_todays_figures(config: ModelConfig, precision: str, zero_stage: int) -> None:
+    total = config.num_params()
+    assert params_per_rank(config, 1) == total
+    assert all_to_all_bytes_per_step(config, 64, 4, 1, 2) == 0
+    for world in (1, 4):
+        per_rank = training_state_bytes_per_rank(config, precision, zero_stage, world)
+        today = training_state_bytes(total, precision, zero_stage, world)
+        for name in ("weights", "gradients", "optimizer"):
+            assert getattr(per_rank, name) == pytest.approx(getattr(today, name), rel=1e-12)
+    text = format_ledger(config, RunShape(precision=precision, zero_stage=zero_stage, dp_size=4))
+    assert "Expert parallelism" not in text and "EP=" not in text
+
+
+def _real_params_on_rank(model: Transformer, rank: int, ep: int) -> tuple[int, int]:
+    """(all, routed-expert) parameters that rank `rank` of an EP group holds, counted on the real module: every
+    parameter outside GroupedExperts whole, and rows [rank·E/EP, (rank+1)·E/EP) of each stacked expert tensor."""
+    expert_params = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    everything = experts = 0
+    for p in model.parameters():
+        if id(p) in expert_params:
+            block = p.shape[0] // ep
+            n = p[rank * block : (rank + 1) * block].numel()
+            experts += n
+            everything += n
+        else:
+            everything += p.numel()
+    return everything, experts
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_per_rank_parameters_match_the_real_models_expert_blocks(config: ModelConfig) -> None:
+    """Each rank holds every non-expert parameter (routers, shared experts included) and its block of E/EP
+    experts; the EP distinct blocks together are exactly the model's routed experts."""
+    model = Transformer(config)
+    real_routed = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+    assert count_parameters(config).routed_experts == real_routed
+    for ep in _ep_sizes(config):
+        held = [_real_params_on_rank(model, rank, ep) for rank in range(ep)]
+        assert all(everything == params_per_rank(config, ep) for everything, _ in held)
+        assert all(experts == expert_params_per_rank(config, ep) for _, experts in held)
+        assert sum(experts for _, experts in held) == real_routed
+        replicated = config.num_params() - real_routed
+        assert sum(everything for everything, _ in held) - (ep - 1) * replicated == config.num_params()
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_per_rank_parameters_match_a_model_built_with_e_over_ep_experts(config: ModelConfig) -> None:
+    """A rank's parameters are those of the same model built with E/EP experts per MoE layer, except that the
+    router still scores all E experts: it is [E, D], not [E/EP, D]."""
+    E, D = config.moe.num_experts, config.d_model
+    for ep in _ep_sizes(config):
+        top_k = min(config.moe.top_k, E // ep)  # top-k has no parameters; only the config check needs K <= E/EP
+        router = replace(config.moe.router, renormalize_topk=config.moe.router.renormalize_topk and top_k > 1)
+        local = replace(config, moe=replace(config.moe, num_experts=E // ep, top_k=top_k, router=router))
+        local_model_params = sum(p.numel() for p in Transformer(local).parameters())
+        router_rows_elsewhere = _num_moe_layers(config) * (E - E // ep) * D
+        assert params_per_rank(config, ep) == local_model_params + router_rows_elsewhere
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_ep_training_state_summed_over_ranks_counts_each_copy(
+    config: ModelConfig, precision: str, zero_stage: int
+) -> None:
+    """Summed over all W ranks, a sharded quantity is stored once per parameter; an unsharded one W times for a
+    replicated parameter and W/EP times for an expert parameter (one copy per rank holding its block)."""
+    total, routed = config.num_params(), count_parameters(config).routed_experts
+    weight_b, grad_b, optim_b = PRECISION_BYTES[precision]
+    world = 2 * config.moe.num_experts
+    for ep in _ep_sizes(config):
+        state = training_state_bytes_per_rank(config, precision, zero_stage, world, ep)
+        copies = world * (total - routed) + (world // ep) * routed
+        for bytes_per_param, value, sharded in (
+            (weight_b, state.weights, zero_stage >= 3),
+            (grad_b, state.gradients, zero_stage >= 2),
+            (optim_b, state.optimizer, zero_stage >= 1),
+        ):
+            assert world * value == pytest.approx(bytes_per_param * (total if sharded else copies), rel=1e-12)
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_all_to_all_bytes_scale_with_the_share_of_remote_experts(config: ModelConfig) -> None:
+    """0 at EP=1, otherwise ∝ (EP-1)/EP, linear in tokens and micro-batches; and equal to a count of the
+    assignments that leave each rank when N·K assignments cover the E experts evenly."""
+    E, K, D = config.moe.num_experts, config.moe.top_k, config.d_model
+    N, s = 6 * E, 2
+    assert all_to_all_bytes_per_step(config, N, 3, 1, s) == 0
+    per_share = {ep: all_to_all_bytes_per_step(config, N, 1, ep, s) / ((ep - 1) / ep) for ep in _ep_sizes(config)[1:]}
+    assert max(per_share.values()) == pytest.approx(min(per_share.values()), rel=1e-12)
+    for ep in _ep_sizes(config)[1:]:
+        one = all_to_all_bytes_per_step(config, N, 1, ep, s)
+        assert all_to_all_bytes_per_step(config, 2 * N, 3, ep, s) == pytest.approx(6 * one, rel=1e-12)
+        expert_ids_NK = torch.arange(N * K) % E  # uniform routing: every expert gets N·K/E assignments
+        for rank in range(ep):
+            leaving = int((expert_ids_NK // (E // ep) != rank).sum())
+            # dispatch + combine, forward + backward, every MoE layer, D elements of s bytes each
+            assert one == pytest.approx(4 * _num_moe_layers(config) * leaving * D * s, rel=1e-12)
+
+
+def test_format_ledger_prints_the_ep_block_with_formulas() -> None:
+    config = EP_CONFIGS[0]
+    run = RunShape(precision="bf16", zero_stage=1, dp_size=8, ep_size=4, grad_accum=2)
+    text = format_ledger(config, run)
+    assert "Expert parallelism (EP=4 of W=8 ranks" in text and "experts over EP=4" in text
+    block = text.split("Expert parallelism")[1].split("\n\n")[0]
+    state = training_state_bytes_per_rank(config, "bf16", 1, 8, 4)
+    expected_a2a = all_to_all_bytes_per_step(config, run.micro_batch_size * run.seq_len, 2, 4, 2)
+    for row in (
+        f"{expert_params_per_rank(config, 4):,}",
+        f"{params_per_rank(config, 4):,}",
+        "routed experts / EP",
+        "(replicated / W + routed / EP / (W/EP))",
+        "4 · L_moe · B·S·K · (EP-1)/EP · D · s",
+        "uniform routing, payload only",
+    ):
+        assert row in block
+    assert _human(state.optimizer, "B") in block and _human(expected_a2a, "B") in block
+
+
+def test_expert_parallel_sizes_that_do_not_fit_are_refused() -> None:
+    config = EP_CONFIGS[0]  # 8 experts
+    with pytest.raises(ValueError, match="num_experts=8"):
+        params_per_rank(config, 3)
+    with pytest.raises(ValueError, match="world size W=6"):
+        training_state_bytes_per_rank(config, "fp32", 1, 6, 4)
+    with pytest.raises(ValueError, match="dense"):
+        params_per_rank(ModelConfig(), 2)
+    with pytest.raises(ValueError, match="ep_size=0"):
+        all_to_all_bytes_per_step(config, 8, 1, 0, 2)
