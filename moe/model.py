@@ -80,16 +80,20 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def reset_parameters(self) -> None:
-        """Every matrix ~ N(0, init_std²), biases 0, norms γ=1 β=0 (MoE layers initialise their own experts)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=self.config.init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=self.config.init_std)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                module.reset_parameters()
+        """Every matrix ~ N(0, init_std²), biases 0, norms γ=1 β=0 (MoE layers initialise their own experts).
+        Through `Module.apply`, not a loop over `modules()`: under ZeRO-3's partitioned construction (zero.Init)
+        the sub-modules' weights are already split among ranks here, and `apply` is the hook that gathers them."""
+        self.apply(self._init_module)
+
+    def _init_module(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=self.config.init_std)
+        elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+            module.reset_parameters()
 
     def forward(
         self,

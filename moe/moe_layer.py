@@ -65,8 +65,14 @@ class MoELayer(nn.Module):
         if config.num_shared_experts > 0:
             shared_d_ff = config.num_shared_experts * config.expert_d_ff
             self.shared_experts = FeedForward(d_model, shared_d_ff, activation)
-            for p in self.shared_experts.parameters():
-                nn.init.normal_(p, mean=0.0, std=init_std)
+
+            def init_normal(module: nn.Module) -> None:
+                for p in module.parameters(recurse=False):
+                    nn.init.normal_(p, mean=0.0, std=init_std)
+
+            # Through `apply`, as in Transformer.reset_parameters: under ZeRO-3's partitioned construction the
+            # FFN's weights are already split here, and `apply` is the hook that gathers them.
+            self.shared_experts.apply(init_normal)
 
     def forward(self, x_BTD: torch.Tensor, token_mask_BT: torch.Tensor | None = None) -> MoEOutput:
         B, T, D = x_BTD.shape

@@ -1,0 +1,76 @@
+"""The model, built so that under ZeRO-3 no rank ever holds all of its weights, with the weights a plain build gives.
+
+Every strategy but ZeRO-3 builds `Transformer(config.model)` whole on every rank, as it always did. ZeRO-3 builds it
+inside DeepSpeed's partitioned construction, `deepspeed.zero.Init`: each module's parameters are split among the
+ranks as soon as that module's `__init__` returns, so a rank holds one module's full weights at a time plus its
+1/world share of the rest. The weights are unchanged, bit for bit:
+  * a leaf module (Linear, Embedding, the experts, the router) draws its weights in its own `__init__`, before the
+    split; the inits a parent runs afterwards (Transformer.reset_parameters, the shared experts') go through
+    `Module.apply`, which zero.Init turns into gather → init on every rank → keep rank 0's → split again. The draws
+    come from the same generator in the same order as in a plain build;
+  * tensors are created in fp32 whatever the precision (zero.Init would otherwise create them in bf16 and draw in
+    bf16, which gives other numbers); under bf16 each rank then rounds its shard, as the engine rounds a model built
+    outside zero.Init. The optimizer's fp32 master copies are made from the rounded weights in both cases.
+Accelerate's `zero3_init_context_manager` is not the tool here: it only tells transformers' `from_pretrained` to use
+zero.Init; a model of our own has to be built inside zero.Init itself.
+"""
+
+import torch
+from accelerate import Accelerator
+
+from moe import Transformer
+from moe_platform.config import TrainConfig
+from moe_platform.distributed import register_moe_leaf_modules
+from moe_platform.seeding import seed_initial_weights, seed_noise_streams
+
+
+def builds_partitioned(config: TrainConfig) -> bool:
+    """ZeRO-3 (DeepSpeed stage 3) shards the parameters themselves, so it builds them sharded too."""
+    return config.distributed.strategy == "deepspeed" and config.distributed.zero_stage == 3
+
+
+def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
+    """The seeded model for `accelerator.prepare`: the same initial weights on every rank (and under every
+    strategy), then this rank's own noise stream. Under ZeRO-3 the parameters come back already partitioned
+    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf."""
+    seed_initial_weights(config.trainer.seed)
+    if builds_partitioned(config):
+        model = _build_partitioned(config, accelerator)
+        register_moe_leaf_modules(model)
+    else:
+        model = Transformer(config.model)
+    seed_noise_streams(config.trainer.seed, accelerator.process_index)
+    return model
+
+
+def full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's shape as a whole. Built partitioned, `p` itself is an empty placeholder (`p.ndim == 1`) until
+    ZeRO-3 gathers it, so code that looks at shapes before training (weight-decay groups) must ask here."""
+    return getattr(p, "ds_shape", p.shape)
+
+
+def _build_partitioned(config: TrainConfig, accelerator: Accelerator) -> Transformer:
+    import deepspeed
+
+    # The DeepSpeed config Accelerate will hand to the engine (partition group, offload device, ...).
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=torch.float32):
+        model = Transformer(config.model)
+    # DeepSpeed picks its dtype as `dtype or fp16 if fp16_supported() else bf16 ...` (sic), so an explicit fp32
+    # still comes back as bf16 on an accelerator without fp16; a silent change of the draws must not pass.
+    built = {p.ds_tensor.dtype for p in model.parameters()}
+    if built != {torch.float32}:
+        raise RuntimeError(f"deepspeed.zero.Init built the parameters in {built}, not fp32 as asked")
+    if config.trainer.precision == "bf16":
+        _round_shards(model, torch.bfloat16)
+    return model
+
+
+def _round_shards(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """What the engine does to a model built outside zero.Init (`p.data = p.data.to(dtype)`), done to each rank's
+    shard: the same elementwise rounding, so the shards gather to exactly the rounded plain weights. The engine does
+    not cast a zero.Init model: it takes the partitions to be in the training dtype already."""
+    for p in model.parameters():
+        shard = p.ds_tensor.data.to(dtype)
+        p.ds_tensor.data = shard.pin_memory() if p.ds_tensor.is_pinned() else shard  # offload keeps pinned memory
+        p.data = torch.empty(0, dtype=dtype, device=p.device)  # the placeholder's dtype is what a gather allocates
