@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.dispatch import combine, dispatch, expert_capacity, plan_dispatch
+from moe.expert_parallel import ExpertParallel
 from moe.experts import GroupedExperts
 from moe.ffn import FeedForward
 from moe.losses import global_load_balancing_loss, load_balancing_loss, router_z_loss
@@ -58,6 +59,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, config.num_experts, config.top_k, config.router, init_std)
         # The data-parallel ranks whose load aux_loss_scope="global" pools (None: all ranks).
         self.balance_group: dist.ProcessGroup | None = None
+        # Set by `shard_experts`: then `experts` holds only this rank's block and tokens travel to their expert.
+        self.expert_parallel: ExpertParallel | None = None
         self.experts = GroupedExperts(d_model, config.expert_d_ff, config.num_experts, activation, init_std)
         # S shared experts of width F summed equal one FFN of width S·F (the activation is per hidden unit),
         # so they are fused into one module: one matmul per projection instead of S (DeepSeek does the same).
@@ -107,7 +110,11 @@ class MoELayer(nn.Module):
             capacity=capacity,
             drop_policy=cfg.drop_policy,
         )
-        y_AD = self.experts(dispatch(x_ND, plan), plan.tokens_per_expert_after_E.tolist())
+        x_AD = dispatch(x_ND, plan)
+        if self.expert_parallel is None:
+            y_AD = self.experts(x_AD, plan.tokens_per_expert_after_E.tolist())
+        else:
+            y_AD = self.expert_parallel.run_experts(self.experts, x_AD, plan.tokens_per_expert_after_E)
         out_ND = combine(y_AD, route.gates_NK, plan)
         if self.shared_experts is not None:
             out_ND = out_ND + self.shared_experts(x_ND)

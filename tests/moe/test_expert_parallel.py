@@ -1,0 +1,119 @@
+"""Expert parallelism of one MoE layer, in real gloo processes: the same outputs and gradients as one process that
+holds every expert and sees every rank's tokens."""
+
+import pytest
+import torch
+
+from moe.expert_parallel import ExpertParallel, _source_to_expert_order, is_expert_parameter
+from moe.moe_config import MoEConfig
+from moe.moe_layer import MoELayer
+from moe_platform.testing import run_distributed
+
+D, E, K, T = 16, 8, 2, 12
+
+
+def layer_config(capacity_factor: float | None) -> MoEConfig:
+    return MoEConfig(
+        num_experts=E, top_k=K, expert_d_ff=24, capacity_factor=capacity_factor, min_capacity=1, num_shared_experts=1
+    )
+
+
+def build_layer(capacity_factor: float | None, skew: str) -> MoELayer:
+    torch.manual_seed(0)
+    layer = MoELayer(D, layer_config(capacity_factor), "swiglu").double()
+    with torch.no_grad():
+        if skew == "one_rank":  # positive inputs pick experts 0 and 1: all work lands on the rank holding block 0
+            layer.router.weight.fill_(-1.0)
+            layer.router.weight[:2].fill_(1.0)
+        elif skew == "idle_expert":  # expert E-1 never chosen: some rank receives zero rows for it
+            layer.router.weight[E - 1].fill_(-100.0)
+    return layer
+
+
+def rank_input(rank: int, skew: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank its own tokens (an uneven number of them) and its own upstream gradient."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(1, T + 3 * rank, D, generator=generator, dtype=torch.float64)
+    if rank == 1 or skew != "none":
+        x = x.abs() + 1.0  # skews routing differently on one rank (on every rank for the skewed cases)
+    return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+
+def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_factor, skew: str):
+    import torch.distributed as dist
+
+    from moe_platform.expert_parallel import build_groups, reduce_expert_gradients, shard_model
+
+    layer = build_layer(capacity_factor, skew)
+    groups = build_groups(ep_size)
+    shard_model(layer, groups)
+    x, grad_out = rank_input(rank, skew)
+    x.requires_grad_(True)
+    out = layer(x)
+    (out.output * grad_out).sum().backward()
+    for name, p in layer.named_parameters():  # what DDP would do for the replicated ones: mean over ranks
+        if not is_expert_parameter(name):
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+    reduce_expert_gradients(layer, groups)
+    grads = {name: p.grad for name, p in layer.named_parameters()}
+    block = groups.expert_parallel.local_experts(E)
+    return out.output.detach(), x.grad, grads, (block.start, block.stop), out.stats
+
+
+def reference(world_size: int, capacity_factor, skew: str):
+    """One process, every expert: rank r's output and input gradient, and the parameter gradient of
+    (1/W) Σ_r <out_r, grad_out_r> (what data parallelism averages)."""
+    layer = build_layer(capacity_factor, skew)
+    outputs, input_grads = [], []
+    for rank in range(world_size):
+        x, grad_out = rank_input(rank, skew)
+        x.requires_grad_(True)
+        out = layer(x)
+        ((out.output * grad_out).sum() / world_size).backward()
+        outputs.append(out.output.detach())
+        input_grads.append(x.grad * world_size)
+    return outputs, input_grads, {name: p.grad for name, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "world_size, ep_size, capacity_factor, skew",
+    [
+        (2, 2, None, "none"),
+        (2, 2, 1.0, "none"),  # capacity drops on the token's own rank, as without EP
+        (2, 2, None, "one_rank"),  # all rows go to one rank, the other computes nothing
+        (2, 2, None, "idle_expert"),
+        (4, 4, 1.25, "none"),  # EP = world
+        (4, 2, None, "idle_expert"),  # EP 2 × EDP 2: expert gradients reduced over the EDP group
+    ],
+)
+def test_an_ep_layer_computes_what_one_process_with_every_expert_computes(world_size, ep_size, capacity_factor, skew):
+    ranks = run_distributed(ep_forward_backward, world_size, ep_size, capacity_factor, skew)
+    outputs, input_grads, param_grads = reference(world_size, capacity_factor, skew)
+    for rank, (out, x_grad, grads, (first, stop), _) in enumerate(ranks):
+        torch.testing.assert_close(out, outputs[rank], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x_grad, input_grads[rank], rtol=1e-10, atol=1e-12)
+        assert stop - first == E // ep_size and first == (rank % ep_size) * (E // ep_size)
+        for name, grad in grads.items():
+            expected = param_grads[name][first:stop] if is_expert_parameter(name) else param_grads[name]
+            torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12, msg=f"rank {rank} {name}")
+    after = [stats.tokens_per_expert_after for *_, stats in ranks]
+    if capacity_factor is not None:
+        assert any((s.tokens_per_expert_before != s.tokens_per_expert_after).any() for *_, s in ranks), "no drops"
+    if skew == "one_rank":
+        assert all(a[2:].sum() == 0 for a in after), "every assignment went to experts 0 and 1"
+    if skew == "idle_expert":
+        assert all(a[E - 1] == 0 for a in after)
+
+
+def test_received_rows_are_regrouped_by_local_expert_then_source_rank():
+    # 2 source ranks × 3 local experts; rows arrive (source, expert): s0e0 ×2, s0e1 ×0, s0e2 ×1, s1e0 ×1, s1e1 ×2, s1e2 ×0
+    received_PL = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    order = _source_to_expert_order(received_PL)
+    # received rows: 0,1 = s0e0; 2 = s0e2; 3 = s1e0; 4,5 = s1e1  →  by expert: e0 (0,1,3), e1 (4,5), e2 (2)
+    assert order.tolist() == [0, 1, 3, 4, 5, 2]
+
+
+def test_a_rank_holds_a_contiguous_block_of_global_expert_ids():
+    blocks = [ExpertParallel(size=4, rank=r).local_experts(8) for r in range(4)]
+    assert [list(b) for b in blocks] == [[0, 1], [2, 3], [4, 5], [6, 7]]
