@@ -32,6 +32,7 @@ CHECKPOINT_DIRNAME = "checkpoints"
 LATEST = "latest"
 LAYOUT = "layout.json"
 DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate gives DeepSpeed's save_checkpoint
+EXPERTS_DIRNAME = "experts"  # expert shards by global expert id (expert_parallel.ExpertCheckpoint)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -44,12 +45,18 @@ def step_dirname(step: int) -> str:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, accelerator: Accelerator, keep_last: int, layout: dict[str, Any]) -> None:
-        """`layout` (see `sharding_layout`) is saved beside the state, so a resume knows how it was sharded."""
+    def __init__(
+        self, run_dir: Path, accelerator: Accelerator, keep_last: int, layout: dict[str, Any], experts=None
+    ) -> None:
+        """`layout` (see `sharding_layout`) is saved beside the state, so a resume knows how it was sharded;
+        `experts` (an `expert_parallel.ExpertCheckpoint`) writes and reads expert shards by global expert id."""
         self.root = Path(run_dir) / CHECKPOINT_DIRNAME
         self.accelerator = accelerator
         self.keep_last = keep_last
         self.layout = layout
+        self.experts = experts
+        if experts is not None:
+            accelerator.register_save_state_pre_hook(experts.drop_experts_from_model_file)
 
     def save(self, step: int, config_yaml: str) -> Path:
         """Collective: every rank calls it. Returns the final directory."""
@@ -60,6 +67,8 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
+        if self.experts is not None:
+            self.experts.save(tmp)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             (tmp / "config.yaml").write_text(config_yaml)
@@ -82,6 +91,8 @@ class Checkpointer:
         if needs_universal_load(saved, self.layout):
             path = self._universal_copy(path)
         self.accelerator.load_state(str(path))
+        if self.experts is not None:
+            self.experts.load(path)
 
     def _universal_copy(self, path: Path) -> Path:
         """`path/universal`: the ZeRO shards converted to DeepSpeed's universal format, next to the other files."""
@@ -108,8 +119,13 @@ class Checkpointer:
         return universal
 
 
-def sharding_layout(strategy: str, zero_stage: int, world_size: int) -> dict[str, Any]:
-    return {"strategy": strategy, "zero_stage": zero_stage, "world_size": world_size}
+def sharding_layout(strategy: str, zero_stage: int, world_size: int, expert_parallel_size: int = 1) -> dict[str, Any]:
+    return {
+        "strategy": strategy,
+        "zero_stage": zero_stage,
+        "world_size": world_size,
+        "expert_parallel_size": expert_parallel_size,
+    }
 
 
 def is_complete(path: Path) -> bool:
@@ -137,12 +153,27 @@ def check_layout(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> 
             f"{path} holds ZeRO-{saved['zero_stage']} state but this job runs ZeRO-{current['zero_stage']}: "
             f"resume with distributed=zero{saved['zero_stage']}"
         )
+    _check_expert_parallel_layout(path, saved, current)
     if saved["strategy"] == "deepspeed" and saved["zero_stage"] == 3 and saved["world_size"] != current["world_size"]:
         # Measured with deepspeed 0.19.8: a ZeRO-3 universal load continues the losses only to ~3e-4, not exactly
         # (ZeRO-1/2 continue to 1e-5), so it is refused rather than silently perturbing the run.
         raise CheckpointError(
             f"{path} holds ZeRO-3 shards of {saved['world_size']} ranks but this job has {current['world_size']}: "
             "ZeRO-3 resumes on the same world size only (ZeRO-1/2 re-partition); or moe-export the weights"
+        )
+
+
+def _check_expert_parallel_layout(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """DDP checkpoints store experts by global id and resume at any EP size; ZeRO shards of an EP run do not."""
+    saved_ep, current_ep = saved.get("expert_parallel_size", 1), current.get("expert_parallel_size", 1)
+    if saved["strategy"] != "deepspeed" or (saved_ep == 1 and current_ep == 1):
+        return
+    if (saved_ep, saved["world_size"]) != (current_ep, current["world_size"]):
+        # Measured with deepspeed 0.19.8: its universal conversion cannot re-partition our expert shards.
+        raise CheckpointError(
+            f"{path} holds ZeRO shards of {saved['world_size']} ranks with expert_parallel_size={saved_ep} but this "
+            f"job has {current['world_size']} ranks with {current_ep}: ZeRO with expert parallelism resumes on the "
+            "same world and EP sizes only (distributed=ddp checkpoints resume at any EP size)"
         )
 
 
@@ -198,6 +229,13 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
 def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     """One fp32 state dict of the whole model, whether the checkpoint holds ZeRO shards or a plain model file."""
     checkpoint = Path(checkpoint)
+    layout = json.loads((checkpoint / LAYOUT).read_text()) if (checkpoint / LAYOUT).is_file() else {}
+    if (checkpoint / DEEPSPEED_TAG).is_dir() and layout.get("expert_parallel_size", 1) > 1:
+        # Measured with deepspeed 0.19.8: zero_to_fp32 reads every rank's expert partition as one tensor's.
+        raise CheckpointError(
+            f"{checkpoint} holds ZeRO shards of an expert-parallel run, which DeepSpeed's zero_to_fp32 cannot "
+            "consolidate: export from a distributed=ddp expert-parallel run, or train with expert_parallel_size=1"
+        )
     if (checkpoint / DEEPSPEED_TAG).is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -210,4 +248,51 @@ def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
         state = torch.load(checkpoint / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         raise CheckpointError(f"{checkpoint} holds neither ZeRO shards nor a model file: is it a checkpoint dir?")
+    state.update(consolidated_experts(checkpoint))
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+
+
+def consolidated_experts(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every expert tensor [E, …] of an expert-parallel checkpoint, its blocks joined in global-id order."""
+    from safetensors import safe_open
+
+    shards = expert_shard_files(Path(checkpoint) / EXPERTS_DIRNAME)
+    if not shards:
+        return {}
+    with safe_open(str(next(iter(shards.values()))), framework="pt") as f:
+        names = [key for key in f.keys() if not key.endswith((".exp_avg", ".exp_avg_sq"))]
+    num_experts = max(ids.stop for ids in shards)
+    return {name: read_expert_rows(shards, name, range(0, num_experts)) for name in names}
+
+
+def expert_shard_files(directory: Path) -> dict[range, Path]:
+    """{global expert ids: file} of a checkpoint's expert shards (empty when it has none)."""
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for path in directory.glob("experts_*_*.safetensors"):
+        first, stop = (int(part) for part in path.stem.split("_")[1:3])
+        found[range(first, stop)] = path
+    return found
+
+
+def read_expert_rows(shards: dict[range, Path], key: str, block: range) -> torch.Tensor:
+    """Rows [block.start, block.stop) of tensor `key`, gathered from the shard files that overlap them."""
+    from safetensors import safe_open
+
+    pieces, covered = [], block.start
+    for ids in sorted(shards, key=lambda r: r.start):
+        start, stop = max(ids.start, covered), min(ids.stop, block.stop)
+        if start >= stop or start != covered:
+            continue
+        with safe_open(str(shards[ids]), framework="pt") as f:
+            if key not in f.keys():
+                raise CheckpointError(f"{shards[ids]} has no tensor {key}: the checkpoint is incomplete or foreign")
+            pieces.append(f.get_slice(key)[start - ids.start : stop - ids.start])
+        covered = stop
+    if covered != block.stop:
+        raise CheckpointError(
+            f"the expert shards in {next(iter(shards.values())).parent} do not cover experts "
+            f"{block.start}…{block.stop - 1}: the checkpoint is incomplete"
+        )
+    return torch.cat(pieces)

@@ -71,7 +71,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
     own_dir = Path(HydraConfig.get().runtime.output_dir)
     resume_from = resolve_resume(config.resume, own_dir)
-    layout = sharding_layout(config.distributed.strategy, config.distributed.zero_stage, world_size)
+    distributed = config.distributed
+    layout = sharding_layout(distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size)
     load_universal = resume_from is not None and needs_universal_load(read_layout(resume_from), layout)
     accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:

@@ -84,6 +84,8 @@ class DistributedConfig:
     backend: Optional[str] = None  # None: nccl with GPUs, gloo on CPU
     timeout_s: int = 600
     check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see memory.py)
+    # EP: each group of this many consecutive ranks splits every MoE layer's experts (expert_parallel.py)
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _require(
@@ -106,6 +108,10 @@ class DistributedConfig:
             "distributed.offload_params needs distributed.zero_stage=3: use distributed=zero3_offload",
         )
         _require(self.timeout_s > 0, f"distributed.timeout_s={self.timeout_s} must be positive")
+        _require(
+            self.expert_parallel_size >= 1,
+            f"distributed.expert_parallel_size={self.expert_parallel_size} must be >= 1 (1: no expert parallelism)",
+        )
 
 
 @dataclass
@@ -201,6 +207,32 @@ class TrainConfig:
             self.resume == "none" or self.resume == "auto" or bool(self.resume),
             "resume must be 'none', 'auto' or a checkpoint path",
         )
+        self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.distributed.expert_parallel_size
+        if ep == 1:
+            return
+        moe = self.model.moe
+        _require(
+            moe is not None,
+            f"distributed.expert_parallel_size={ep} needs MoE layers but this model is dense (model.moe is null): "
+            "set distributed.expert_parallel_size=1 or pick an MoE model",
+        )
+        _require(
+            moe.num_experts % ep == 0,
+            f"distributed.expert_parallel_size={ep} does not divide model.moe.num_experts={moe.num_experts}: "
+            "pick an EP size that divides the number of experts",
+        )
+        _require(
+            self.distributed.strategy != "single",
+            f"distributed.expert_parallel_size={ep} needs several ranks: use distributed=ddp, zero1 or zero2",
+        )
+        _require(
+            self.distributed.zero_stage != 3,
+            f"distributed.expert_parallel_size={ep} does not work with ZeRO-3 (DeepSpeed gathers every parameter "
+            "over all ranks, so expert shards cannot stay on their EP rank): use distributed=zero2 or ddp",
+        )
 
 
 def world_size_from_env() -> int:
@@ -220,6 +252,12 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
         config.data.global_batch_size % per_step == 0,
         f"data.global_batch_size={config.data.global_batch_size} is not a multiple of trainer.micro_batch_size × "
         f"world size = {config.trainer.micro_batch_size} × {world_size}: change the global or micro batch size",
+    )
+    ep = config.distributed.expert_parallel_size
+    _require(
+        world_size % ep == 0,
+        f"distributed.expert_parallel_size={ep} does not divide the {world_size} ranks the launcher started: "
+        "launch a multiple of the EP size, or change it",
     )
     _require(
         not (config.distributed.offload_params and not has_gpu),

@@ -1,7 +1,7 @@
 """Will the run fit? The ledger's training-state bytes against this machine's memory, checked before anything is
 built, so a model that cannot fit fails in one sentence instead of allocating for minutes until the OOM killer.
 
-Where the bytes live (per rank, from `moe.ledger.training_state_bytes`):
+Where the bytes live (per rank, from `moe.ledger.training_state_bytes_per_rank`; experts split over EP ranks):
   * with a GPU: weights, gradients and optimizer state on the GPU, except what ZeRO offload moves to host memory
     (`offload_optimizer`: the fp32 master copy and AdamW's m and v; `offload_params`: the weights);
   * on CPU: everything in host memory, shared by every rank on this node.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from moe.ledger import training_state_bytes
+from moe.ledger import training_state_bytes_per_rank
 from moe_platform.config import ConfigError, TrainConfig
 
 FP32_BYTES = 4
@@ -65,7 +65,9 @@ def training_state_demand(config: TrainConfig, world_size: int, has_gpu: bool) -
     """Per-rank bytes by place: the ledger's training state, split by GPU presence and ZeRO offload."""
     num_params = config.model.num_params()
     dist = config.distributed
-    state = training_state_bytes(num_params, config.trainer.precision, dist.zero_stage, world_size)
+    state = training_state_bytes_per_rank(
+        config.model, config.trainer.precision, dist.zero_stage, world_size, dist.expert_parallel_size
+    )
     offloaded = (state.optimizer if dist.offload_optimizer else 0.0) + (state.weights if dist.offload_params else 0.0)
     build = num_params * FP32_BYTES
     if not has_gpu:
@@ -118,7 +120,8 @@ SMALLER_PRESET = "pick a smaller preset such as model=moe_small"
 
 def _with_zero3(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(
-        config, distributed=dataclasses.replace(config.distributed, strategy="deepspeed", zero_stage=3)
+        config,
+        distributed=dataclasses.replace(config.distributed, strategy="deepspeed", zero_stage=3, expert_parallel_size=1),
     )
 
 

@@ -4,7 +4,8 @@ Per optimizer step, on every rank:
   1. set the learning rate for this step (a pure function of the step, so resume needs only the step)
   2. for each of the `grad_accum` micro-batches: forward → loss = LM loss + Σ per-layer MoE aux losses →
      backward (Accelerate divides by grad_accum, or DeepSpeed does) → collect the MoE layers' raw counts
-  3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients, clip, and step the optimizer
+  3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients (under expert parallelism the experts'
+     over their expert-data-parallel group: expert_parallel.py), clip, and step the optimizer
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks)
   5. at the step boundary the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
   6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record
@@ -25,17 +26,17 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from data_pipeline import build_loaders
-from moe import RunShape, Transformer, format_ledger, matmul_flops_per_token
-from moe.ledger import training_state_bytes
+from moe import RunShape, format_ledger, matmul_flops_per_token
+from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
+from moe_platform import expert_parallel
 from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
-from moe_platform.distributed import register_moe_leaf_modules
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
+from moe_platform.model_build import build_model, full_shape
 from moe_platform.preemption import PreemptionWatch
 from moe_platform.progress import Progress
-from moe_platform.seeding import seed_initial_weights, seed_noise_streams
 from moe_platform.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,15 @@ class LogWindow:
         self.start += time.perf_counter() - begin
 
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """torch's AdamW; weight decay only on matrices (embeddings, projections, experts), not on norms or biases."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    optim = config.optim
-    groups = [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+def optimizer_param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
+    """Weight decay only on matrices (embeddings, projections, experts), not on norms or biases."""
+    # full_shape: a parameter built partitioned (ZeRO-3) is an empty placeholder until gathered.
+    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
+    return [
+        {"name": "decay", "params": decay, "weight_decay": config.optim.weight_decay},
+        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 class Trainer:
@@ -110,16 +113,19 @@ class Trainer:
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
             )
-        seed_initial_weights(config.trainer.seed)  # right before the build: loading data may draw on a rank
-        model = Transformer(config.model)
-        seed_noise_streams(config.trainer.seed, accelerator.process_index)
-        if config.distributed.zero_stage == 3:
-            register_moe_leaf_modules(model)
-        self.model, self.optimizer = accelerator.prepare(model, build_optimizer(model, config))
+        model = build_model(config, accelerator)  # seeds first: loading the data may have drawn on a rank
+        self._deepspeed = config.distributed.strategy == "deepspeed"
+        self.expert_groups = expert_parallel.attach(model, config.distributed.expert_parallel_size, self._deepspeed)
+        self.model, self.optimizer = accelerator.prepare(model, self._build_optimizer(model))
 
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.state, self.data.train)
-        self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout)
+        experts = None
+        if config.model.moe is not None and not self._deepspeed:
+            experts = expert_parallel.ExpertCheckpoint(model, self._base_optimizer(), self.expert_groups)
+        elif self.expert_groups is not None:  # ZeRO shards hold the experts; the module needs them back on load
+            experts = expert_parallel.DeepSpeedExpertRestore(self.model)
+        self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout, experts)
         self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
         self.preemption = PreemptionWatch(config.preemption, self.run_dir, accelerator)
         self.throughput = Throughput(
@@ -204,9 +210,20 @@ class Trainer:
         update_balancing_biases(self.accelerator.unwrap_model(self.model))
         return float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean()), grad_norm, stats
 
+    def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (expert_parallel.py)."""
+        optim = self.config.optim
+        groups = expert_parallel.optimizer_param_groups(
+            optimizer_param_groups(model, self.config), self.expert_groups, self._deepspeed
+        )
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
     def _clip_gradients(self) -> float:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
         max_norm = self.config.optim.grad_clip or math.inf
+        if self.expert_groups is not None and not self._deepspeed:
+            model = self.accelerator.unwrap_model(self.model)
+            return expert_parallel.reduce_and_clip(model, max_norm, self.expert_groups)
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm) if norm is not None else float("nan")
 
@@ -263,12 +280,12 @@ class Trainer:
         }
         record.update(reduce_moe_stats(self.accelerator, window.stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
-            record.update(self._optimizer_state_bytes())
+            record.update(self._footprint_per_rank())
         self.sinks.write(record)
         return record
 
-    def _optimizer_state_bytes(self) -> dict[str, Any]:
-        """Measured optimizer-state bytes on every rank (what ZeRO shards) beside the ledger's prediction."""
+    def _footprint_per_rank(self) -> dict[str, Any]:
+        """Optimizer-state bytes and parameters each rank holds (what ZeRO and EP shard), beside the ledger."""
         own = sum(
             t.numel() * t.element_size()
             for state in self._base_optimizer().state.values()
@@ -279,10 +296,20 @@ class Trainer:
         # DistributedConfig holds zero_stage at 0 unless the strategy is deepspeed.
         zero_stage = self.config.distributed.zero_stage
         # AdamW's m and v are fp32 in every precision here: the fp32 row of the ledger (8 B/param) predicts them.
-        predicted = training_state_bytes(
-            self.config.model.num_params(), "fp32", zero_stage, self.accelerator.num_processes
+        ep_size = self.config.distributed.expert_parallel_size
+        predicted = training_state_bytes_per_rank(
+            self.config.model, "fp32", zero_stage, self.accelerator.num_processes, ep_size
         ).optimizer
-        return {"memory/optimizer_state_bytes_per_rank": per_rank, "ledger/optimizer_state_bytes_per_rank": predicted}
+        # Parameters this rank stores: its expert block under EP, its partition (ds_tensor) under ZeRO-3.
+        held = sum(getattr(p, "ds_tensor", p).numel() for p in self.accelerator.unwrap_model(self.model).parameters())
+        held_per_rank = self.accelerator.gather(torch.tensor([held], device=self.accelerator.device)).tolist()
+        shards = self.accelerator.num_processes if zero_stage == 3 else 1
+        return {
+            "memory/optimizer_state_bytes_per_rank": per_rank,
+            "ledger/optimizer_state_bytes_per_rank": predicted,
+            "memory/params_per_rank": held_per_rank,
+            "ledger/params_per_rank": params_per_rank(self.config.model, ep_size) / shards,
+        }
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         """The torch AdamW under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""
@@ -311,6 +338,8 @@ class Trainer:
             precision=config.trainer.precision,
             zero_stage=config.distributed.zero_stage,
             dp_size=self.accelerator.num_processes,
+            ep_size=config.distributed.expert_parallel_size,
+            grad_accum=self.grad_accum,
         )
         lines = [
             f"run dir: {self.run_dir}",

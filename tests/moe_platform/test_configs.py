@@ -135,6 +135,11 @@ def test_shapes_of_the_named_presets() -> None:
         (["distributed=zero2", "distributed.offload_params=true"], "offload_params needs distributed.zero_stage=3"),
         (["trainer.stop_at=999"], "trainer.stop_at=999"),
         (["model.moe.first_dense_layers=4"], "moe.first_dense_layers=4 leaves no MoE layer in a 4-layer model"),
+        (["distributed=ddp", "distributed.expert_parallel_size=3"], "does not divide model.moe.num_experts=4"),
+        (["model=dense_tiny", "distributed=ddp", "distributed.expert_parallel_size=2"], "this model is dense"),
+        (["distributed=zero3", "distributed.expert_parallel_size=2"], "does not work with ZeRO-3"),
+        (["distributed.expert_parallel_size=2"], "needs several ranks"),
+        (["distributed=ddp", "distributed.expert_parallel_size=0"], "must be >= 1"),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(overrides: list[str], needle: str) -> None:
@@ -155,6 +160,11 @@ def test_unknown_keys_are_rejected_at_composition() -> None:
         ([], 2, "distributed=single but the launcher started 2 processes"),
         (["distributed=ddp", "data.global_batch_size=32", "trainer.micro_batch_size=8"], 3, "× world size"),
         (["distributed=zero3_offload"], 2, "there is no GPU"),
+        (
+            ["distributed=ddp", "distributed.expert_parallel_size=4", "data.global_batch_size=48"],
+            6,
+            "does not divide the 6 ranks",
+        ),
     ],
 )
 def test_launch_checks(overrides: list[str], world: int, needle: str) -> None:
