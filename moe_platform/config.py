@@ -230,8 +230,9 @@ class TrainConfig:
         )
         _require(
             self.distributed.zero_stage != 3,
-            f"distributed.expert_parallel_size={ep} does not work with ZeRO-3 (DeepSpeed gathers every parameter "
-            "over all ranks, so expert shards cannot stay on their EP rank): use distributed=zero2 or ddp",
+            f"distributed.expert_parallel_size={ep} does not work with ZeRO-3 (DeepSpeed 0.19 partitions every "
+            "parameter over all ranks except for its own AutoEP layer, so expert blocks would mix): use "
+            "distributed=zero2 or ddp",
         )
 
 

@@ -92,8 +92,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ExpertParallelGrou
     for name, p in model.named_parameters():
         if p.grad is not None:
             (experts if is_expert_parameter(name) else replicated).append(p.grad)
-    replicated_sq = _sum_of_squares(replicated)
-    expert_sq = _sum_of_squares(experts)
+    device = next(model.parameters()).device
+    replicated_sq = _sum_of_squares(replicated, device)
+    expert_sq = _sum_of_squares(experts, device)
     if groups.expert_parallel.size > 1:
         dist.all_reduce(expert_sq, group=groups.expert_parallel.group)
     total = float((replicated_sq + expert_sq).sqrt())
@@ -102,9 +103,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ExpertParallelGrou
     return total
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:  # a rank whose expert block got no gradient this step still joins the all-reduce
+        return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
 
 

@@ -39,6 +39,11 @@ def rank_input(rank: int, skew: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(x.shape, generator=generator, dtype=torch.float64)
 
 
+def ep_forward_backward_cases(rank: int, world_size: int, cases: list[tuple]) -> dict[tuple, tuple]:
+    """Every case of one world size in one set of processes (spawning is what costs time here)."""
+    return {case: ep_forward_backward(rank, world_size, *case[1:]) for case in cases}
+
+
 def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_factor, skew: str):
     import torch.distributed as dist
 
@@ -76,19 +81,31 @@ def reference(world_size: int, capacity_factor, skew: str):
     return outputs, input_grads, {name: p.grad for name, p in layer.named_parameters()}
 
 
-@pytest.mark.parametrize(
-    "world_size, ep_size, capacity_factor, skew",
-    [
-        (2, 2, None, "none"),
-        (2, 2, 1.0, "none"),  # capacity drops on the token's own rank, as without EP
-        (2, 2, None, "one_rank"),  # all rows go to one rank, the other computes nothing
-        (2, 2, None, "idle_expert"),
-        (4, 4, 1.25, "none"),  # EP = world
-        (4, 2, None, "idle_expert"),  # EP 2 × EDP 2: expert gradients reduced over the EDP group
-    ],
-)
-def test_an_ep_layer_computes_what_one_process_with_every_expert_computes(world_size, ep_size, capacity_factor, skew):
-    ranks = run_distributed(ep_forward_backward, world_size, ep_size, capacity_factor, skew)
+CASES = [  # (world size, EP size, capacity factor, routing skew)
+    (2, 2, None, "none"),
+    (2, 2, 1.0, "none"),  # capacity drops on the token's own rank, as without EP
+    (2, 2, None, "one_rank"),  # all rows go to one rank, the other computes nothing
+    (2, 2, None, "idle_expert"),
+    (4, 4, 1.25, "none"),  # EP = world
+    (4, 2, None, "idle_expert"),  # EP 2 × EDP 2: expert gradients reduced over the EDP group
+]
+
+
+@pytest.fixture(scope="module")
+def ep_runs() -> dict[tuple, list]:
+    """Each case's per-rank results, one spawn of processes per world size."""
+    results = {}
+    for world_size in sorted({case[0] for case in CASES}):
+        cases = [case for case in CASES if case[0] == world_size]
+        by_rank = run_distributed(ep_forward_backward_cases, world_size, cases, timeout=300)
+        results.update({case: [rank_results[case] for rank_results in by_rank] for case in cases})
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "W{}-EP{}-cf{}-{}".format(*case))
+def test_an_ep_layer_computes_what_one_process_with_every_expert_computes(ep_runs, case):
+    world_size, ep_size, capacity_factor, skew = case
+    ranks = ep_runs[case]
     outputs, input_grads, param_grads = reference(world_size, capacity_factor, skew)
     for rank, (out, x_grad, grads, (first, stop), _) in enumerate(ranks):
         torch.testing.assert_close(out, outputs[rank], rtol=1e-12, atol=1e-12)
@@ -107,7 +124,8 @@ def test_an_ep_layer_computes_what_one_process_with_every_expert_computes(world_
 
 
 def test_received_rows_are_regrouped_by_local_expert_then_source_rank():
-    # 2 source ranks × 3 local experts; rows arrive (source, expert): s0e0 ×2, s0e1 ×0, s0e2 ×1, s1e0 ×1, s1e1 ×2, s1e2 ×0
+    # 2 source ranks × 3 local experts; rows arrive ordered (source, expert):
+    # s0e0 ×2, s0e1 ×0, s0e2 ×1, s1e0 ×1, s1e1 ×2, s1e2 ×0
     received_PL = torch.tensor([[2, 0, 1], [1, 2, 0]])
     order = _source_to_expert_order(received_PL)
     # received rows: 0,1 = s0e0; 2 = s0e2; 3 = s1e0; 4,5 = s1e1  →  by expert: e0 (0,1,3), e1 (4,5), e2 (2)
