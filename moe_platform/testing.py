@@ -177,6 +177,11 @@ def _distributed_worker(source: tuple[str, str], rank: int, world_size: int, por
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+    # Like moe-train (cli._leave_without_interpreter_teardown): a gloo thread that takes the GIL while Python
+    # finalizes aborts the process, so leave once the result has been handed to the queue's pipe.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def metric_steps(run_dir: Path) -> list[int]:
