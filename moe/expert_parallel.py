@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moe.experts import GroupedExperts
@@ -87,27 +86,6 @@ class _Reorder(torch.autograd.Function):
     def backward(ctx, grad_RD):
         (order_R,) = ctx.saved_tensors
         return grad_RD.index_select(0, torch.argsort(order_R)), None
-
-
-def shard_experts(model: nn.Module, expert_parallel: ExpertParallel) -> None:
-    """Keep only this rank's block of every MoE layer's experts and route their work through `expert_parallel`.
-
-    The model was built whole, so its weights are the EP=1 weights whatever the EP size (the same run at any EP
-    starts from the same point); the other blocks are freed here. The router and shared experts stay replicated.
-    """
-    from moe.moe_layer import MoELayer
-
-    for module in model.modules():
-        if not isinstance(module, MoELayer):
-            continue
-        num_experts = module.config.num_experts
-        if num_experts % expert_parallel.size != 0:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {expert_parallel.size} EP ranks")
-        block = expert_parallel.local_experts(num_experts)
-        for name, weight in list(module.experts.named_parameters(recurse=False)):
-            local = weight.detach()[block.start : block.stop].clone()
-            setattr(module.experts, name, nn.Parameter(local, requires_grad=weight.requires_grad))
-        module.expert_parallel = expert_parallel
 
 
 def is_expert_parameter(name: str) -> bool:

@@ -59,7 +59,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, config.num_experts, config.top_k, config.router, init_std)
         # The data-parallel ranks whose load aux_loss_scope="global" pools (None: all ranks).
         self.balance_group: dist.ProcessGroup | None = None
-        # Set by `shard_experts`: then `experts` holds only this rank's block and tokens travel to their expert.
+        # Set by expert parallelism (moe_platform.expert_parallel.shard_experts): `experts` then holds only this
+        # rank's block, and tokens travel to their expert.
         self.expert_parallel: ExpertParallel | None = None
         self.experts = GroupedExperts(d_model, config.expert_d_ff, config.num_experts, activation, init_std)
         # S shared experts of width F summed equal one FFN of width S·F (the activation is per hidden unit),

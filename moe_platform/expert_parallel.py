@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.expert_parallel import ExpertParallel, is_expert_parameter, shard_experts
+from moe import MoELayer
+from moe.expert_parallel import ExpertParallel, is_expert_parameter
 from moe_platform.checkpoint import EXPERTS_DIRNAME, CheckpointError, expert_shard_files, read_expert_rows
 
 
@@ -62,6 +63,25 @@ def build_groups(ep_size: int) -> ExpertParallelGroups:
 
 def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if is_expert_parameter(name)]
+
+
+def shard_experts(model: nn.Module, expert_parallel: ExpertParallel) -> None:
+    """Keep only this rank's block of every MoE layer's experts and route their work through `expert_parallel`.
+
+    The model was built whole, so its weights are the EP=1 weights whatever the EP size (the same run at any EP
+    starts from the same point); the other blocks are freed here. The router and shared experts stay replicated.
+    """
+    for module in model.modules():
+        if not isinstance(module, MoELayer):
+            continue
+        num_experts = module.config.num_experts
+        if num_experts % expert_parallel.size != 0:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {expert_parallel.size} EP ranks")
+        block = expert_parallel.local_experts(num_experts)
+        for name, weight in list(module.experts.named_parameters(recurse=False)):
+            local = weight.detach()[block.start : block.stop].clone()
+            setattr(module.experts, name, nn.Parameter(local, requires_grad=weight.requires_grad))
+        module.expert_parallel = expert_parallel
 
 
 def shard_model(model: nn.Module, groups: ExpertParallelGroups) -> None:
