@@ -4,8 +4,9 @@ Legend: N tokens routed in the micro-batch, E experts, A kept assignments.
 
 Accounting sits beside the layer's math, not inside it: the layer hands its routing results to `collect_stats`,
 the trainer adds the stats of all micro-batches (`a + b`) and, for a global view, all-reduces `to_vector()` over
-data-parallel ranks; then `summarize()` computes ratios (drop fraction, max/mean, CV, mean entropy, mean losses)
-from the summed counts, which is exact for the step, whereas averaging per-micro-batch ratios would not be.
+data-parallel ranks; then `summarize()` computes ratios (drop fraction, max/mean, MaxVio, utilisation, dead experts,
+CV, mean entropy, mean losses) from the summed counts, which is exact for the step (or log window), whereas
+averaging per-micro-batch ratios would not be.
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ def collect_stats(
     )
 
 
-def summarize(stats: MoEStats) -> dict[str, float | int | list[int]]:
-    """Ratio metrics computed from (possibly summed) raw stats; load ratios use counts before capacity."""
+def summarize(stats: MoEStats) -> dict[str, float | int | list[int] | list[float]]:
+    """Ratio metrics computed from (possibly summed) raw stats; load ratios use counts before capacity.
+
+    With load_e the assignments routed to expert e and mean = Σ load / E (the ideal, even load):
+    utilisation_e = load_e / mean (1.0 everywhere when balanced), MaxVio = (max load − mean) / mean (0 when
+    balanced, E − 1 when one expert takes everything at top-1), dead experts = experts with load 0."""
     before_E = stats.tokens_per_expert_before.to(torch.float64)
     after_E = stats.tokens_per_expert_after.to(torch.float64)
     routed, kept = float(before_E.sum()), float(after_E.sum())
@@ -96,6 +101,9 @@ def summarize(stats: MoEStats) -> dict[str, float | int | list[int]]:
         "drop_frac": (routed - kept) / routed if routed > 0 else 0.0,
         "fully_dropped_frac": int(stats.fully_dropped_tokens) / num_tokens if num_tokens > 0 else 0.0,
         "max_over_mean": float(before_E.max()) / mean_load if mean_load > 0 else 0.0,
+        "maxvio": (float(before_E.max()) - mean_load) / mean_load if mean_load > 0 else 0.0,
+        "utilisation": (before_E / mean_load).tolist() if mean_load > 0 else [0.0] * before_E.numel(),
+        "dead_experts": int((stats.tokens_per_expert_before == 0).sum()),
         # Coefficient of variation with the population std: 0 for perfectly even load.
         "cv": float(before_E.std(correction=0)) / mean_load if mean_load > 0 else 0.0,
         "entropy": float(stats.entropy_sum) / num_tokens if num_tokens > 0 else 0.0,

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
+from moe_platform.redact import redact_text, secret_values
+
 CHECKPOINT_DIRNAME = "checkpoints"
 LATEST = "latest"
 LAYOUT = "layout.json"
@@ -71,7 +73,7 @@ class Checkpointer:
             self.experts.save(tmp)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "config.yaml").write_text(redact_text(config_yaml, secret_values()))  # env secrets too
             (tmp / LAYOUT).write_text(json.dumps(self.layout))
             shutil.rmtree(final, ignore_errors=True)  # re-saving the same step (e.g. after a resume)
             os.replace(tmp, final)

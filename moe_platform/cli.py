@@ -19,7 +19,7 @@ from typing import Any
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from data_pipeline import DataConfigError, DataError
 from moe import ModelConfigError
@@ -33,6 +33,7 @@ from moe_platform.checkpoint import (
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
 from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
 from moe_platform.preemption import RequeueLimitReached
+from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
@@ -65,6 +66,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from moe_platform.distributed import build_accelerator, has_gpu
     from moe_platform.trainer import Trainer
 
+    hydra_config = HydraConfig.get()
+    if hydra_config.output_subdir is not None:  # rank 0: Hydra has already recorded the overrides, secrets included
+        scrub_hydra_dir(Path(hydra_config.runtime.output_dir) / hydra_config.output_subdir, secret_values(cfg))
     config = to_train_config(cfg)
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
@@ -77,7 +81,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:
         run_dir = agree_on_run_dir(accelerator, own_dir)
-        config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        config_yaml = redacted_yaml(cfg)  # resolved, secrets replaced: for the run dir and every checkpoint
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(config_yaml)

@@ -23,6 +23,7 @@ from moe import ModelConfig, ModelConfigError
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed")
 PRECISIONS = ("fp32", "bf16")
+MOE_DETAILS = ("brief", "detailed")
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,35 @@ class LoggingConfig:
     peak_tflops: Optional[float] = (
         None  # dense peak per device, for MFU; None: the datasheet of a known GPU, else no MFU
     )
+    # What reaches wandb/TensorBoard as scalar keys: "brief" = the moe/all/* summaries across layers only;
+    # "detailed" = also each layer's scalars. metrics.jsonl always has every key.
+    moe_detail: str = "brief"
+    visuals_every: int = 10  # expert × layer heatmap image and histograms every N log steps (0: never)
+    wandb_entity: Optional[str] = None
+    wandb_group: Optional[str] = None
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_name: Optional[str] = None  # None: the run directory's name
+    # Routing alerts (alerts.py): a layer's MaxVio or drop fraction above its threshold, or an expert with no
+    # tokens, for this many consecutive logs prints one warning and writes one alert record.
+    alert_maxvio: float = 1.0
+    alert_drop_frac: float = 0.2
+    alert_consecutive_logs: int = 3
+
+    def __post_init__(self) -> None:
+        _require(
+            self.moe_detail in MOE_DETAILS,
+            f"logging.moe_detail={self.moe_detail!r} is unknown: use one of {MOE_DETAILS}",
+        )
+        _require(self.visuals_every >= 0, f"logging.visuals_every={self.visuals_every} must be >= 0 (0: never)")
+        _require(self.alert_maxvio > 0, f"logging.alert_maxvio={self.alert_maxvio} must be positive, e.g. 1.0")
+        _require(
+            0 <= self.alert_drop_frac < 1,
+            f"logging.alert_drop_frac={self.alert_drop_frac} must lie in [0, 1), e.g. 0.2",
+        )
+        _require(
+            self.alert_consecutive_logs >= 1,
+            f"logging.alert_consecutive_logs={self.alert_consecutive_logs} must be >= 1",
+        )
 
 
 @dataclass

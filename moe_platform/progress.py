@@ -1,4 +1,5 @@
-"""A rich progress bar with the numbers a person watches: loss, tokens/s, MFU (or TFLOP/s) and ETA (rank 0 only)."""
+"""A rich progress bar with the numbers a person watches: loss, tokens/s, MFU (or TFLOP/s), the worst MoE layer's
+MaxVio (models with MoE layers) and ETA (rank 0 only)."""
 
 from typing import Any
 
@@ -37,6 +38,8 @@ class Progress:
             metrics += f"  MFU {100 * record['mfu']:.1f}%"
         else:
             metrics += f"  {record['model_tflops_per_device']:.3g} TFLOP/s"
+        if "moe/all/maxvio_max" in record:  # routing health in one number: 0 is even load (see moe/stats.py)
+            metrics += f"  maxvio {record['moe/all/maxvio_max']:.2f} (L{record['moe/all/maxvio_worst_layer']})"
         self._bar.update(self._task, completed=step, metrics=metrics)
         if self.enabled and not self.console.is_terminal:
             # Piped output (Slurm logs, CI) gets no live bar: print the same numbers as a line.

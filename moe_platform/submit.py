@@ -21,10 +21,10 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
-from omegaconf import OmegaConf
 
 from moe_platform.cli import BAD_INPUT, CONF_DIR, register_configs
 from moe_platform.config import to_train_config, validate_launch
+from moe_platform.redact import redacted_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = run_dir.resolve()
     overrides = [o for o in overrides if not o.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir}"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "config.yaml").write_text(redacted_yaml(cfg))  # secrets replaced, as moe-train writes it
     script = run_dir / "train.sbatch"
     script.write_text(render(template, options, overrides, run_dir, Path(sys.executable).parent))
     print(f"rendered {script} ({nodes} node(s) × {per_node} rank(s)) with {run_dir / 'config.yaml'}")

@@ -119,6 +119,8 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     train, evals = {}, {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
+        if "alert" in record:  # routing alerts (alerts.py) are records of their own
+            continue
         (evals if "eval/loss" in record else train)[record["step"]] = record
     return train, evals
 

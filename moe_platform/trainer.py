@@ -8,7 +8,8 @@ Per optimizer step, on every rank:
      over their expert-data-parallel group: expert_parallel.py), clip, and step the optimizer
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks)
   5. at the step boundary the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
-  6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record
+  6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record, and one record per
+     routing alert (a layer's MaxVio or drops too high, or an expert dead, for M logs in a row: alerts.py)
   7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
   8. when preempted: log the window, every rank saves, requeue (preemption.py), stop
 """
@@ -31,6 +32,7 @@ from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
 from moe_platform import expert_parallel
+from moe_platform.alerts import RoutingAlerts
 from moe_platform.checkpoint import Checkpointer
 from moe_platform.config import TrainConfig
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
@@ -127,6 +129,7 @@ class Trainer:
             experts = expert_parallel.DeepSpeedExpertRestore(self.model)
         self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout, experts)
         self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
+        self.alerts = RoutingAlerts(config.logging, accelerator.is_main_process)
         self.preemption = PreemptionWatch(config.preemption, self.run_dir, accelerator)
         self.throughput = Throughput(
             flops_per_token=matmul_flops_per_token(config.model, config.data.seq_len).training,
@@ -282,6 +285,8 @@ class Trainer:
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self._footprint_per_rank())
         self.sinks.write(record)
+        for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
+            self.sinks.write(alert)
         return record
 
     def _footprint_per_rank(self) -> dict[str, Any]:
