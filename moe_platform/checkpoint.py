@@ -13,7 +13,9 @@ mid-save never leaves a directory that looks complete; `resume=auto` only ever s
 ZeRO shards are partitioned for the world size that wrote them. Resuming ZeRO-1/2 on another world size goes through
 DeepSpeed's universal checkpoint: rank 0 converts the shards once into `step_…/universal/` (ds_to_universal), and
 the engine, built with `checkpoint.load_universal`, re-partitions them on load. ZeRO-3 resumes on its own world
-size only (see `check_layout`).
+size only (see `check_layout`). ZeRO shards of an expert-parallel run cannot be converted by ds_to_universal (it
+joins every rank's expert partitions as one tensor's), so such a run writes its universal copy itself on every save
+(`expert_parallel.write_universal`), and resumes from it at another world size or EP size.
 """
 
 import json
@@ -34,6 +36,7 @@ CHECKPOINT_DIRNAME = "checkpoints"
 LATEST = "latest"
 LAYOUT = "layout.json"
 DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate gives DeepSpeed's save_checkpoint
+UNIVERSAL_DIRNAME = "universal"  # DeepSpeed's universal checkpoint beside the ZeRO shards
 EXPERTS_DIRNAME = "experts"  # expert shards by global expert id (expert_parallel.ExpertCheckpoint)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -75,6 +78,8 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             (tmp / "config.yaml").write_text(redact_text(config_yaml, secret_values()))  # env secrets too
             (tmp / LAYOUT).write_text(json.dumps(self.layout))
+            if (tmp / UNIVERSAL_DIRNAME).is_dir():  # written by `experts.save` (ZeRO with EP)
+                _link_shared_files(tmp, tmp / UNIVERSAL_DIRNAME)
             shutil.rmtree(final, ignore_errors=True)  # re-saving the same step (e.g. after a resume)
             os.replace(tmp, final)
             _write_atomically(self.root / LATEST, final.name)
@@ -90,15 +95,18 @@ class Checkpointer:
         """Collective: restores model, optimizer, RNG states and the registered objects."""
         saved = read_layout(path)
         check_layout(path, saved, self.layout)
-        if needs_universal_load(saved, self.layout):
+        universal = needs_universal_load(saved, self.layout)
+        if universal:
             path = self._universal_copy(path)
         self.accelerator.load_state(str(path))
+        if universal:
+            _restore_buffers(self.accelerator.deepspeed_engine_wrapped.engine.module, path)
         if self.experts is not None:
             self.experts.load(path)
 
     def _universal_copy(self, path: Path) -> Path:
         """`path/universal`: the ZeRO shards converted to DeepSpeed's universal format, next to the other files."""
-        universal = path / "universal"
+        universal = path / UNIVERSAL_DIRNAME
         if self.accelerator.is_main_process and not universal.is_dir():
             tmp = path / ".universal.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -113,12 +121,29 @@ class Checkpointer:
                 raise CheckpointError(
                     f"converting {path} to a universal checkpoint failed: {result.stderr.strip().splitlines()[-1]}"
                 )
-            for item in path.iterdir():  # trainer state, data position, RNG states, config: shared, not copied
-                if item.is_file():
-                    (tmp / item.name).symlink_to(item.resolve())
+            _link_shared_files(path, tmp)
             os.replace(tmp, universal)
         self.accelerator.wait_for_everyone()
         return universal
+
+
+@torch.no_grad()
+def _restore_buffers(model: torch.nn.Module, universal: Path) -> None:
+    """A universal load restores parameters only; the buffers (the router's balancing bias and load counts) come
+    from rank 0's model file, as on a same-size load. Without this the first resumed steps route differently."""
+    saved = torch.load(universal / DEEPSPEED_TAG / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    names = set(saved.get("buffer_names") or [])
+    for name, buffer in model.named_buffers():
+        if name in names:
+            buffer.copy_(saved["module"][name])
+
+
+def _link_shared_files(checkpoint: Path, universal: Path) -> None:
+    """Trainer state, data position, RNG states, config: linked into the universal copy, not copied. The links are
+    relative, so they survive the rename of `.tmp_step_…` and a move of the checkpoint."""
+    for item in checkpoint.iterdir():
+        if item.is_file():
+            (universal / item.name).symlink_to(os.path.relpath(item, universal))
 
 
 def sharding_layout(strategy: str, zero_stage: int, world_size: int, expert_parallel_size: int = 1) -> dict[str, Any]:
@@ -166,23 +191,28 @@ def check_layout(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def _check_expert_parallel_layout(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """DDP checkpoints store experts by global id and resume at any EP size; ZeRO shards of an EP run do not."""
+    """DDP checkpoints store experts by global id and resume at any EP size; ZeRO-1/2 checkpoints of an EP run
+    resume at another world or EP size through the universal copy written on save."""
     saved_ep, current_ep = saved.get("expert_parallel_size", 1), current.get("expert_parallel_size", 1)
     if saved["strategy"] != "deepspeed" or (saved_ep == 1 and current_ep == 1):
         return
-    if (saved_ep, saved["world_size"]) != (current_ep, current["world_size"]):
-        # Measured with deepspeed 0.19.8: its universal conversion cannot re-partition our expert shards.
+    if (saved_ep, saved["world_size"]) == (current_ep, current["world_size"]):
+        return
+    if not (path / UNIVERSAL_DIRNAME / DEEPSPEED_TAG / "zero").is_dir():
+        # ds_to_universal cannot convert these shards (measured with deepspeed 0.19.8: it mis-reads the experts)
         raise CheckpointError(
-            f"{path} holds ZeRO shards of {saved['world_size']} ranks with expert_parallel_size={saved_ep} but this "
-            f"job has {current['world_size']} ranks with {current_ep}: ZeRO with expert parallelism resumes on the "
-            "same world and EP sizes only (distributed=ddp checkpoints resume at any EP size)"
+            f"{path} holds ZeRO shards of {saved['world_size']} ranks with expert_parallel_size={saved_ep} and no "
+            f"universal copy (saved without expert parallelism, or by an older version), so it resumes only on "
+            f"{saved['world_size']} ranks with expert_parallel_size={saved_ep}, not {current['world_size']} with "
+            f"{current_ep}"
         )
 
 
 def needs_universal_load(saved: dict[str, Any], current: dict[str, Any]) -> bool:
-    """ZeRO optimizer shards written by another number of ranks must be re-partitioned on load."""
+    """ZeRO optimizer shards written by another number of ranks, or another EP size, must be re-partitioned on load."""
     sharded = saved["strategy"] == "deepspeed" and saved["zero_stage"] >= 1
-    return sharded and saved["world_size"] != current["world_size"]
+    resized = saved["world_size"] != current["world_size"]
+    return sharded and (resized or saved.get("expert_parallel_size", 1) != current.get("expert_parallel_size", 1))
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -234,11 +264,8 @@ def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     layout = json.loads((checkpoint / LAYOUT).read_text()) if (checkpoint / LAYOUT).is_file() else {}
     if (checkpoint / DEEPSPEED_TAG).is_dir() and layout.get("expert_parallel_size", 1) > 1:
         # Measured with deepspeed 0.19.8: zero_to_fp32 reads every rank's expert partition as one tensor's.
-        raise CheckpointError(
-            f"{checkpoint} holds ZeRO shards of an expert-parallel run, which DeepSpeed's zero_to_fp32 cannot "
-            "consolidate: export from a distributed=ddp expert-parallel run, or train with expert_parallel_size=1"
-        )
-    if (checkpoint / DEEPSPEED_TAG).is_dir():
+        state = _state_dict_from_universal(checkpoint)
+    elif (checkpoint / DEEPSPEED_TAG).is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DEEPSPEED_TAG)
@@ -252,6 +279,25 @@ def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{checkpoint} holds neither ZeRO shards nor a model file: is it a checkpoint dir?")
     state.update(consolidated_experts(checkpoint))
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+
+
+def _state_dict_from_universal(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model of a ZeRO checkpoint from its universal copy: every parameter's fp32 file (experts already whole,
+    [E, …]), and from rank 0's model file the buffers and the second names of tied parameters."""
+    universal = checkpoint / UNIVERSAL_DIRNAME / DEEPSPEED_TAG
+    if not (universal / "zero").is_dir():
+        raise CheckpointError(
+            f"{checkpoint} holds ZeRO shards of an expert-parallel run but no {UNIVERSAL_DIRNAME}/ copy (an older "
+            "version wrote it), and DeepSpeed's zero_to_fp32 cannot consolidate them: resume it once and save again"
+        )
+    model_file = torch.load(universal / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    state = dict(model_file["module"])  # buffers; its parameters (EP rank 0's experts) are all replaced below
+    for directory in (universal / "zero").iterdir():
+        if directory.is_dir():
+            state[directory.name] = torch.load(directory / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+    for name, source in (model_file.get("shared_params") or {}).items():
+        state[name] = state[source]
+    return state
 
 
 def consolidated_experts(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ The global gradient norm adds each distinct expert block once: ‖g‖² = ‖g_
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,14 @@ from torch import nn
 
 from moe import MoELayer
 from moe.expert_parallel import ExpertParallel, is_expert_parameter
-from moe_platform.checkpoint import EXPERTS_DIRNAME, CheckpointError, expert_shard_files, read_expert_rows
+from moe_platform.checkpoint import (
+    DEEPSPEED_TAG,
+    EXPERTS_DIRNAME,
+    UNIVERSAL_DIRNAME,
+    CheckpointError,
+    expert_shard_files,
+    read_expert_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -309,8 +317,10 @@ def optimizer_param_groups(param_groups: list[dict], groups: ExpertParallelGroup
 
 
 class DeepSpeedExpertRestore:
-    """Under ZeRO-1/2 with EP the ZeRO shards hold every rank's expert block, but DeepSpeed loads the module's
-    weights from rank 0's model file (EP rank 0's experts) and does not copy its fp32 master back: do it."""
+    """ZeRO-1/2 with EP. The ZeRO shards hold every rank's expert block, but DeepSpeed loads the module's weights
+    from rank 0's model file (EP rank 0's experts) and does not copy its fp32 master back: `load` does. The shards
+    only load at the world and EP sizes that wrote them, so `save` also writes a universal copy (`write_universal`)
+    that loads at any size."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -319,10 +329,85 @@ class DeepSpeedExpertRestore:
         pass
 
     def save(self, directory: Path) -> None:
-        pass
+        """Collective: every rank calls it, after Accelerate's save_state into `directory`."""
+        write_universal(self.engine, Path(directory))
 
     def load(self, checkpoint: Path) -> None:
         self.engine.optimizer.update_lp_params()
+
+
+def write_universal(engine, checkpoint: Path) -> None:
+    """Collective: `checkpoint/universal/<tag>/`, DeepSpeed's universal checkpoint of the live ZeRO-1/2 engine.
+
+    ds_to_universal cannot write it for our layer: it joins every rank's expert partitions as if they were one
+    tensor's. DeepSpeed's universal loader, though, slices a stacked [E, …] tensor by (ep_rank, ep_size) when its
+    file says `is_expert_param` and `ep_num_experts`, so we write each parameter whole: fp32 master and AdamW
+    moments gathered over the parameter's ZeRO group (safe_get_full_*), expert blocks then over the EP group.
+    Rank 0 writes; `Checkpointer.save` links the non-DeepSpeed files beside it, as `_universal_copy` does.
+    """
+    from deepspeed.checkpoint.constants import (
+        BASE_OPTIMIZER_STATE,
+        EP_IS_EXPERT_PARAM,
+        EP_NUM_EXPERTS,
+        PARAM,
+        PARAM_GROUPS,
+        PARAM_SLICE_MAPPINGS,
+        SINGLE_PARTITION_OF_FP32_GROUPS,
+    )
+    from deepspeed.utils import groups, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    optimizer, rank = engine.optimizer, dist.get_rank()
+    target = Path(checkpoint) / UNIVERSAL_DIRNAME / DEEPSPEED_TAG
+    # ZeRO links the moments' fragments after the first param group's first step, before the expert group has
+    # any, and never again (safe_get_full_optimizer_state: "exp_avg not found"): relink them.
+    optimizer._hp_optimizer_states_linked = False
+    optimizer._lazy_init_hp_params_optimizer_state()
+    step = None
+    for parameter in (p for p in engine.module.parameters() if p.requires_grad):
+        # the loader opens zero/<name>/ with the name the engine gave the parameter
+        name = optimizer.param_names[parameter]
+        states = {"fp32": safe_get_full_fp32_param(parameter)}
+        states.update({key: safe_get_full_optimizer_state(parameter, key) for key in MOMENTS})
+        is_expert = getattr(parameter, "allreduce", True) is False
+        if is_expert:  # (E_local, …) → (E, …): the EP ranks hold consecutive blocks in EP-rank order
+            ep_group = groups._get_expert_parallel_group(parameter.group_name)
+            states = {key: _gather_blocks(value, ep_group) for key, value in states.items()}
+        if rank != 0:
+            continue
+        (target / "zero" / name).mkdir(parents=True, exist_ok=True)
+        for key, value in states.items():
+            saved = {PARAM: value.float().cpu()}
+            if is_expert:
+                saved.update({EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: value.shape[0]})
+            torch.save(saved, target / "zero" / name / f"{key}.pt")
+        if step is None:
+            first = optimizer.optimizer.param_groups[0]["params"][0]
+            step = optimizer.optimizer.state[first]["step"]
+        torch.save(step, target / "zero" / name / "step.pt")
+    if rank == 0:
+        state = optimizer.state_dict()
+        global_state = {
+            key: value
+            for key, value in state.items()
+            if key not in (BASE_OPTIMIZER_STATE, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS)
+        }
+        # The loader copies every key of a saved param group into the live one: without 'name' and 'moe', a
+        # run at another EP size keeps its own group names (ep_size_<its EP>).
+        global_state[PARAM_GROUPS] = [
+            {key: value for key, value in group.items() if key not in ("params", "name", "moe")}
+            for group in state[BASE_OPTIMIZER_STATE][PARAM_GROUPS]
+        ]
+        torch.save(global_state, target / "zero" / "optimizer_state.pt")
+        # metadata the engine reads on load (step counters, dp_world_size); its module weights are not used
+        shutil.copy2(Path(checkpoint) / DEEPSPEED_TAG / "mp_rank_00_model_states.pt", target)
+        (target.parent / "latest_universal").write_text(DEEPSPEED_TAG)
+    dist.barrier()
+
+
+def _gather_blocks(block: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    blocks = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(blocks, block.contiguous(), group=group)
+    return torch.cat(blocks)
 
 
 def reduce_and_clip(model: nn.Module, max_norm: float, groups: ExpertParallelGroups) -> float:

@@ -82,15 +82,23 @@ def test_a_run_resumes_across_ep_sizes_and_world_sizes_and_exports_whole(tmp_pat
     assert evals[20]["eval/loss"] == pytest.approx(eval_loss(model, tmp_path), rel=1e-5)
 
 
-def test_zero2_with_experts_split_resumes_exactly_and_refuses_another_ep_size(tmp_path: Path, one_process) -> None:
-    """DeepSpeed reloads the module from rank 0's file (EP rank 0's experts): the other EP ranks must get their own
-    block back from the ZeRO shards, or the first resumed step is wrong without any error."""
-    zero2 = [*ROUTING, "distributed=zero2", ep(2)]
-    moe_train(tmp_path, *zero2, "trainer.stop_at=10", nproc=4)
-    with pytest.raises(AssertionError, match="resumes on the same world and EP sizes only"):
-        moe_train(tmp_path, *ROUTING, "distributed=zero2", ep(4), "resume=auto", nproc=4)
-    moe_train(tmp_path, *zero2, "resume=auto", nproc=4)
+def test_zero2_with_experts_split_resumes_at_any_ep_and_world_size_and_exports_whole(
+    tmp_path: Path, one_process
+) -> None:
+    """ZeRO-2: EP 2 on 4 ranks → the same (DeepSpeed reloads the module from rank 0's file, EP rank 0's experts:
+    the other EP ranks must get their own block back, or the first resumed step is silently wrong) → EP 4 on 4
+    ranks → EP 1 on 2 ranks, the last two through the universal copy written on save: one process's 20 steps."""
+    moe_train(tmp_path, *ROUTING, "distributed=zero2", ep(2), "trainer.stop_at=8", nproc=4)
+    assert (latest_checkpoint(tmp_path) / "universal" / "pytorch_model" / "zero").is_dir()
+    moe_train(tmp_path, *ROUTING, "distributed=zero2", ep(2), "resume=auto", "trainer.stop_at=10", nproc=4)
+    moe_train(tmp_path, *ROUTING, "distributed=zero2", ep(4), "resume=auto", "trainer.stop_at=14", nproc=4)
+    moe_train(tmp_path, *ROUTING, "distributed=zero2", ep(1), "resume=auto", "trainer.save_final=true", nproc=2)
     assert_same_training(tmp_path, one_process)
+
+    model = load_exported_model(latest_checkpoint(tmp_path))  # a ZeRO-2 checkpoint at EP 1: DeepSpeed's own path
+    assert model.blocks[0].ffn.experts.w_up.shape[0] == 4
+    exported = load_exported_model(latest_checkpoint(tmp_path).parent / "step_00000014")  # EP 4: the universal copy
+    assert [block.ffn.experts.w_up.shape[0] for block in exported.blocks if hasattr(block.ffn, "experts")] == [4] * 4
 
 
 def eval_loss(model: torch.nn.Module, run_dir: Path) -> float:
