@@ -82,16 +82,30 @@ def collect_stats(
     )
 
 
-def summarize(stats: MoEStats) -> dict[str, float | int | list[int] | list[float]]:
-    """Ratio metrics computed from (possibly summed) raw stats; load ratios use counts before capacity.
+def load_balance(tokens_per_expert: torch.Tensor | list[int]) -> dict[str, float | int | list[float]]:
+    """Balance metrics of one layer's load (assignments routed to each expert, before capacity).
 
     With load_e the assignments routed to expert e and mean = Σ load / E (the ideal, even load):
     utilisation_e = load_e / mean (1.0 everywhere when balanced), MaxVio = (max load − mean) / mean (0 when
-    balanced, E − 1 when one expert takes everything at top-1), dead experts = experts with load 0."""
+    balanced, E − 1 when one expert takes everything at top-1), max/mean = MaxVio + 1, CV = population std / mean,
+    dead experts = experts with load 0. A layer that routed nothing has every ratio 0."""
+    load_E = torch.as_tensor(tokens_per_expert, dtype=torch.float64)
+    mean_load = float(load_E.mean())
+    return {
+        "max_over_mean": float(load_E.max()) / mean_load if mean_load > 0 else 0.0,
+        "maxvio": (float(load_E.max()) - mean_load) / mean_load if mean_load > 0 else 0.0,
+        "utilisation": (load_E / mean_load).tolist() if mean_load > 0 else [0.0] * load_E.numel(),
+        "dead_experts": int((load_E == 0).sum()),
+        "cv": float(load_E.std(correction=0)) / mean_load if mean_load > 0 else 0.0,
+    }
+
+
+def summarize(stats: MoEStats) -> dict[str, float | int | list[int] | list[float]]:
+    """Ratio metrics computed from (possibly summed) raw stats; load ratios use counts before capacity
+    (`load_balance`)."""
     before_E = stats.tokens_per_expert_before.to(torch.float64)
     after_E = stats.tokens_per_expert_after.to(torch.float64)
     routed, kept = float(before_E.sum()), float(after_E.sum())
-    mean_load = float(before_E.mean())
     num_tokens = int(stats.num_tokens)
     num_micro_batches = max(int(stats.num_micro_batches), 1)
     return {
@@ -100,12 +114,7 @@ def summarize(stats: MoEStats) -> dict[str, float | int | list[int] | list[float
         "dropped_assignments": round(routed - kept),
         "drop_frac": (routed - kept) / routed if routed > 0 else 0.0,
         "fully_dropped_frac": int(stats.fully_dropped_tokens) / num_tokens if num_tokens > 0 else 0.0,
-        "max_over_mean": float(before_E.max()) / mean_load if mean_load > 0 else 0.0,
-        "maxvio": (float(before_E.max()) - mean_load) / mean_load if mean_load > 0 else 0.0,
-        "utilisation": (before_E / mean_load).tolist() if mean_load > 0 else [0.0] * before_E.numel(),
-        "dead_experts": int((stats.tokens_per_expert_before == 0).sum()),
-        # Coefficient of variation with the population std: 0 for perfectly even load.
-        "cv": float(before_E.std(correction=0)) / mean_load if mean_load > 0 else 0.0,
+        **load_balance(before_E),
         "entropy": float(stats.entropy_sum) / num_tokens if num_tokens > 0 else 0.0,
         "aux_loss": float(stats.aux_loss_sum) / num_micro_batches,
         "z_loss": float(stats.z_loss_sum) / num_micro_batches,

@@ -15,12 +15,11 @@ reported again by the resumed job, after M of its own logs.
 """
 
 import logging
-import re
 from typing import Any
 
-log = logging.getLogger(__name__)
+from moe_platform.dashboards import tokens_per_expert_by_layer
 
-LAYER_KEY = re.compile(r"^moe/layer_(\d+)/tokens_per_expert$")
+log = logging.getLogger(__name__)
 
 
 class RoutingAlerts:
@@ -47,11 +46,7 @@ class RoutingAlerts:
 
     def _conditions(self, record: dict[str, Any]):
         """(kind, layer, expert) and its value, for every condition that holds in this record."""
-        for key, tokens_per_expert in record.items():
-            match = LAYER_KEY.match(key)
-            if match is None:
-                continue
-            layer = int(match.group(1))
+        for layer, tokens_per_expert in tokens_per_expert_by_layer(record).items():
             for kind, threshold in self.thresholds.items():
                 value = record[f"moe/layer_{layer}/{kind}"]
                 if value > threshold:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from moe.stats import load_balance
+
 MOE_DETAIL_MODES = ("brief", "detailed")
 LAYER_SCALARS = ("maxvio", "drop_frac", "cv", "entropy", "dead_experts", "aux_loss", "z_loss")
 ACROSS_LAYER_METRICS = ("maxvio", "drop_frac", "cv", "entropy", "dead_experts")
@@ -67,9 +69,8 @@ def utilisation_LE(record: dict[str, Any]) -> tuple[list[int], np.ndarray]:
         if given is not None:
             util_LE[row, : len(given)] = given
             continue
-        load_E = np.asarray(loads[layer], dtype=np.float64)
-        if load_E.sum() > 0:
-            util_LE[row, : len(load_E)] = load_E / load_E.mean()
+        if sum(loads[layer]) > 0:  # a layer that routed nothing stays NaN: no value to draw
+            util_LE[row, : len(loads[layer])] = load_balance(loads[layer])["utilisation"]
     return layers, util_LE
 
 

@@ -115,26 +115,27 @@ def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> N
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, groups: ExpertParallelGroups) -> float:
-    """Scale all gradients so the global norm is at most `max_norm`; returns the norm before clipping."""
+    """Scale all gradients so the global norm is at most `max_norm` (torch's clipping rule, as without EP);
+    returns the norm before clipping."""
     replicated, experts = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
-            (experts if is_expert_parameter(name) else replicated).append(p.grad)
+            (experts if is_expert_parameter(name) else replicated).append(p)
     device = next(model.parameters()).device
     replicated_sq = _sum_of_squares(replicated, device)
     expert_sq = _sum_of_squares(experts, device)
     if groups.expert_parallel.size > 1:
         dist.all_reduce(expert_sq, group=groups.expert_parallel.group)
-    total = float((replicated_sq + expert_sq).sqrt())
-    if math.isfinite(max_norm) and total > max_norm:
-        torch._foreach_mul_(replicated + experts, max_norm / (total + 1e-6))
-    return total
+    total = (replicated_sq + expert_sq).sqrt()
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(replicated + experts, max_norm, total)
+    return float(total)
 
 
-def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if not grads:  # a rank whose expert block got no gradient this step still joins the all-reduce
+def _sum_of_squares(parameters: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    if not parameters:  # a rank whose expert block got no gradient this step still joins the all-reduce
         return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([g.double().pow(2).sum() for g in grads]).sum()
+    return torch.stack([p.grad.double().pow(2).sum() for p in parameters]).sum()
 
 
 # ---- checkpoints: experts by global id ---------------------------------------------------------------------------
@@ -228,8 +229,10 @@ class ExpertCheckpoint:
     def _block(self) -> range:
         """This rank's global expert ids (all of them without EP)."""
         num_local = next(iter(self.parameters.values())).shape[0]
-        ep_rank = self.groups.expert_parallel.rank if self.groups is not None else 0
-        return range(ep_rank * num_local, (ep_rank + 1) * num_local)
+        if self.groups is None:
+            return range(num_local)
+        ep = self.groups.expert_parallel
+        return ep.local_experts(num_local * ep.size)
 
 
 def _check_shape(checkpoint: Path, name: str, rows: torch.Tensor, parameter: torch.Tensor) -> None:
@@ -303,7 +306,7 @@ def _mark_experts_for_deepspeed(model: nn.Module, ep_size: int) -> None:
     for _, parameter in expert_parameters(model):
         parameter.allreduce = False
         parameter.group_name = _deepspeed_group_name(ep_size)
-    num_experts = next(m.config.num_experts for m in model.modules() if hasattr(m, "expert_parallel"))
+    num_experts = next(m.config.num_experts for m in model.modules() if isinstance(m, MoELayer))
     model.deepspeed_moe_marker = DeepSpeedMoEMarker(num_experts)
 
 

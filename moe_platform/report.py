@@ -30,6 +30,8 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from moe import RunShape, format_ledger
+from moe.stats import load_balance
+from moe_platform.dashboards import tokens_per_expert_by_layer
 
 MAX_SLIDER_STEPS = 60  # heatmap positions kept in the file; a long run is subsampled evenly (last step kept)
 MAX_HEATMAP_LABELS = 256  # cells above which the heatmap drops its per-cell numbers
@@ -91,44 +93,31 @@ def read_records(path: Path) -> RunRecords:
 
 def moe_layers(train: list[dict[str, Any]]) -> list[int]:
     """Ids of the MoE layers that have expert counts in any record."""
-    layers = set()
-    for record in train:
-        for key in record:
-            if key.startswith("moe/layer_") and key.endswith("/tokens_per_expert"):
-                layers.add(int(key.split("/")[1].removeprefix("layer_")))
-    return sorted(layers)
+    return sorted({layer for record in train for layer in tokens_per_expert_by_layer(record)})
 
 
 def utilisation(record: dict[str, Any], layer: int) -> list[float] | None:
     """Load / ideal per expert (mean 1.0); the logged value when present, else from the counts."""
-    logged = record.get(f"moe/layer_{layer}/utilisation")
-    if logged is not None:
-        return [float(u) for u in logged]
-    counts = record.get(f"moe/layer_{layer}/tokens_per_expert")
-    if counts is None:
-        return None
-    mean = sum(counts) / len(counts)
-    return [c / mean if mean > 0 else 0.0 for c in counts]
+    return _balance(record, layer, "utilisation")
 
 
 def maxvio(record: dict[str, Any], layer: int) -> float | None:
     """(max load − mean) / mean; the logged value when present, else from the counts."""
-    logged = record.get(f"moe/layer_{layer}/maxvio")
-    if logged is not None:
-        return float(logged)
-    counts = record.get(f"moe/layer_{layer}/tokens_per_expert")
-    if counts is None:
-        return None
-    mean = sum(counts) / len(counts)
-    return (max(counts) - mean) / mean if mean > 0 else 0.0
+    return _balance(record, layer, "maxvio")
 
 
 def dead_experts(record: dict[str, Any], layer: int) -> int | None:
-    logged = record.get(f"moe/layer_{layer}/dead_experts")
+    return _balance(record, layer, "dead_experts")
+
+
+def _balance(record: dict[str, Any], layer: int, name: str) -> Any:
+    """A layer's balance metric as logged, or computed from its counts as the trainer computes it (runs from
+    before the metric existed); None for a record without that layer."""
+    logged = record.get(f"moe/layer_{layer}/{name}")
     if logged is not None:
-        return int(logged)
+        return logged
     counts = record.get(f"moe/layer_{layer}/tokens_per_expert")
-    return None if counts is None else sum(c == 0 for c in counts)
+    return None if counts is None else load_balance(counts)[name]
 
 
 def _finite(value: Any) -> float | None:
