@@ -1,6 +1,7 @@
 """Test helpers, importable so that tests in any folder share them:
 * `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
-* `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1."""
+* `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1;
+* `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them."""
 
 import importlib.util
 import inspect
@@ -9,10 +10,12 @@ import multiprocessing
 import os
 import pickle
 import queue
+import struct
 import subprocess
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,3 +193,56 @@ def metric_steps(run_dir: Path) -> list[int]:
     """The step of every training record in metrics.jsonl, in file order, repeats included."""
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return [record["step"] for record in records if "loss" in record]
+
+
+# wandb's run file (run-<id>.wandb) is a LevelDB-style log of protobuf `Record`s: a 7-byte header (":W&B", magic
+# 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of type byte + data, length,
+# type: 1 full, 2 first, 3 middle, 4 last). wandb >= 0.19 writes it from Go and no longer ships a Python reader
+# (the old wandb.sdk.internal.datastore), so the framing is read here and every record parsed with wandb's own
+# protobuf classes.
+WANDB_BLOCK = 32768
+
+
+def read_wandb_records(path: Path) -> list:
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), f"{path} is not a wandb run file"
+    position, chunks, pending = 7, [], b""
+    while position + 7 <= len(data):
+        left_in_block = WANDB_BLOCK - position % WANDB_BLOCK
+        if left_in_block < 7:  # a block's tail too short for a chunk header is zero padding
+            position += left_in_block
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"{path}: bad CRC at byte {position}"
+        if kind in (1, 2):
+            pending = b""
+        pending += chunk
+        if kind in (1, 4):
+            chunks.append(pending)
+    return [wandb_internal_pb2.Record.FromString(chunk) for chunk in chunks]
+
+
+def finished_wandb_files(run_dir: Path, expected: int, timeout: float = 30.0) -> list[list]:
+    """The records of each of the `expected` offline run files under run_dir, once every file ends with its `exit`
+    record: wandb's service process may still be writing a file after `finish()` has returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        paths = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        try:
+            files = [read_wandb_records(path) for path in paths]
+            if len(files) == expected and all(f and f[-1].WhichOneof("record_type") == "exit" for f in files):
+                return files
+            problem = (
+                f"{len(files)} of {expected} run files, ends: {[f[-1].WhichOneof('record_type') for f in files if f]}"
+            )
+        except AssertionError as err:  # a chunk still being written fails its CRC
+            problem = str(err)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"wandb's offline files under {run_dir} are not complete after {timeout} s: {problem}")
+        time.sleep(0.1)

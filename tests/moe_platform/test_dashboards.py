@@ -3,9 +3,7 @@ expert × layer heatmap and the histograms, read back with wandb's record format
 
 import io
 import json
-import struct
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from moe_platform.dashboards import (
     utilisation_LE,
 )
 from moe_platform.metrics import MetricSinks, moe_record, wandb_run_id
+from moe_platform.testing import finished_wandb_files
 
 RUN_SCALARS = {"loss": 3.2, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 1234.0}
 BRIEF_MOE_KEYS = len(ACROSS_LAYER_METRICS) * len(ACROSS_LAYER_STATS)  # 25
@@ -106,45 +105,12 @@ def test_utilisation_from_counts_matches_the_records_utilisation():
     np.testing.assert_allclose(given_LE.mean(axis=1), 1.0)  # load / ideal averages to 1 in every layer
 
 
-# wandb's run file (run-<id>.wandb) is a LevelDB-style log of protobuf `Record`s: a 7-byte header (":W&B", magic
-# 0xBEE1, version 0), then 32 KiB blocks of chunks, each with a 7-byte header (CRC-32 of type byte + data, length,
-# type: 1 full, 2 first, 3 middle, 4 last). wandb >= 0.19 writes it from Go and no longer ships a Python reader
-# (the old wandb.sdk.internal.datastore), so the framing is read here and every record parsed with wandb's own
-# protobuf classes.
-WANDB_BLOCK = 32768
-
-
-def read_wandb_records(path: Path) -> list:
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert struct.unpack("<4sHB", data[:7]) == (b":W&B", 0xBEE1, 0), f"{path} is not a wandb run file"
-    position, chunks, pending = 7, [], b""
-    while position + 7 <= len(data):
-        left_in_block = WANDB_BLOCK - position % WANDB_BLOCK
-        if left_in_block < 7:  # a block's tail too short for a chunk header is zero padding
-            position += left_in_block
-            continue
-        crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        chunk = data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind == 0 and length == 0:
-            continue
-        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"{path}: bad CRC at byte {position}"
-        if kind in (1, 2):
-            pending = b""
-        pending += chunk
-        if kind in (1, 4):
-            chunks.append(pending)
-    return [wandb_internal_pb2.Record.FromString(chunk) for chunk in chunks]
-
-
-def wandb_history(run_dir: Path) -> tuple[list, dict[int, dict]]:
-    """(the `run` records of every offline run under run_dir, {step: {logged key: value}}); a media value (image,
-    histogram) is the dict of its fields."""
+def wandb_history(run_dir: Path, expected_runs: int) -> tuple[list, dict[int, dict]]:
+    """(the `run` records of the `expected_runs` offline runs under run_dir, {step: {logged key: value}}); a media
+    value (image, histogram) is the dict of its fields."""
     runs, rows = [], {}
-    for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        for record in read_wandb_records(path):
+    for records in finished_wandb_files(run_dir, expected_runs):
+        for record in records:
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 runs.append(record.run)
@@ -187,7 +153,7 @@ def test_wandb_offline_run_holds_the_bounded_scalars_the_heatmap_and_continues_o
     resumed.write(train_record(layers=32, experts=64, step=4))
     resumed.close()
 
-    runs, rows = wandb_history(tmp_path)
+    runs, rows = wandb_history(tmp_path, expected_runs=2)
     assert len(runs) == 2 and {run.run_id for run in runs} == {wandb_run_id(tmp_path)}
     first = runs[0]
     assert (first.project, first.run_group, list(first.tags)) == ("moe-dash", "sweep-7", ["moe", "test"])

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from moe_platform.cli import CONF_DIR, register_configs
 from moe_platform.config import load_run_config
 from moe_platform.redact import REDACTED, is_secret_name, redact, redacted_yaml, secret_values
-from moe_platform.testing import moe_train
+from moe_platform.testing import finished_wandb_files, moe_train
 
 
 @pytest.mark.parametrize(
@@ -92,6 +92,7 @@ def test_no_secret_reaches_the_run_dir_a_checkpoint_wandb_or_the_console(tmp_pat
         "trainer.save_final=true",
     )
     secrets = [OVERRIDE_SECRET, *ENV_SECRETS.values()]
+    finished_wandb_files(run_dir, expected=1)  # wandb's service may still be writing the run file: grep it whole
     files = [path for path in run_dir.rglob("*") if path.is_file()]
     assert {"config.yaml", "overrides.yaml", "hydra.yaml", "layout.json", "metrics.jsonl"} <= {f.name for f in files}
     assert any(f.suffix == ".wandb" for f in files)
