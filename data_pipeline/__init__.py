@@ -1,6 +1,7 @@
 """Text to deterministic, resumable packed token batches; nothing here imports Hydra or the model.
 
-Entry point: ``build_loaders(DataConfig(...), rank, world_size, micro_batch_size)``. See ``loader``
+Entry point: ``build_loaders(DataConfig(...), rank, world_size, micro_batch_size)``, after ``preflight`` (the checks
+that need no tokenization, for the start of a run, before any process group). See ``loader``
 for batch layout and resume semantics, ``synthetic`` for the default corpus and its entropy floor,
 ``hf_source`` for Hugging Face datasets, ``packing`` for how documents become windows.
 """
@@ -10,6 +11,7 @@ from data_pipeline.hf_source import HFSourceConfig
 from data_pipeline.loader import DataConfig, DataLoaders, TrainLoader, ValConfig, ValLoader, build_loaders
 from data_pipeline.order import BatchLayout
 from data_pipeline.packing import TokenBuffer, pack_stream
+from data_pipeline.preflight import preflight
 from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
 from data_pipeline.tokenizer import ByteTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
 
@@ -33,4 +35,5 @@ __all__ = [
     "build_tokenizer",
     "check_vocab_fits",
     "pack_stream",
+    "preflight",
 ]

@@ -17,8 +17,11 @@ column, bytes that are not UTF-8, an empty or missing file, a dataset with no us
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import itertools
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,17 +60,19 @@ class HFSourceConfig:
 
     def __post_init__(self) -> None:
         if self.num_proc is not None and self.num_proc < 1:
-            raise DataConfigError(f"hf.num_proc={self.num_proc} must be >= 1 or null")
+            raise DataConfigError(f"data.hf.num_proc={self.num_proc} must be >= 1 or null")
         if self.streaming and self.num_proc is not None:
-            raise DataConfigError("hf.num_proc is unused when hf.streaming=true: remove it")
+            raise DataConfigError("data.hf.num_proc is unused when data.hf.streaming=true: remove it")
         if self.map_batch_size < 1:
-            raise DataConfigError(f"hf.map_batch_size={self.map_batch_size} must be >= 1")
+            raise DataConfigError(f"data.hf.map_batch_size={self.map_batch_size} must be >= 1")
         if self.shuffle_buffer is not None and self.shuffle_buffer < 0:
-            raise DataConfigError(f"hf.shuffle_buffer={self.shuffle_buffer} must be >= 0")
+            raise DataConfigError(f"data.hf.shuffle_buffer={self.shuffle_buffer} must be >= 0")
         if not self.streaming and self.shuffle_buffer is not None:
-            raise DataConfigError("hf.shuffle_buffer only applies with hf.streaming=true (map-style shuffles samples)")
+            raise DataConfigError(
+                "data.hf.shuffle_buffer only applies with data.hf.streaming=true (map-style shuffles samples): drop it"
+            )
         if not self.text_field:
-            raise DataConfigError("hf.text_field must name the column that holds the documents")
+            raise DataConfigError("data.hf.text_field must name the column that holds the documents")
 
     @property
     def documents_in_shuffle_buffer(self) -> int:
@@ -85,19 +90,33 @@ def load_split(config: HFSourceConfig, split: str, data_files: Optional[list[str
 
     files = resolve_data_files(config, data_files)
     try:
-        return datasets.load_dataset(
-            config.path,
-            config.name,
-            split=split,
-            data_files={split: files} if files else None,
-            streaming=config.streaming,
-            cache_dir=config.cache_dir,
-            **config.load_kwargs,
-        )
+        with _readers_quiet():
+            return datasets.load_dataset(
+                config.path,
+                config.name,
+                split=split,
+                data_files={split: files} if files else None,
+                streaming=config.streaming,
+                cache_dir=config.cache_dir,
+                **config.load_kwargs,
+            )
     except DataError:
         raise
     except Exception as exc:  # datasets wraps reader errors without saying which file/row
         raise _explain_load_failure(files, config.text_field, describe(config, split, data_files), exc) from exc
+
+
+@contextlib.contextmanager
+def _readers_quiet() -> Iterator[None]:
+    """datasets' file readers (json, text, parquet, ...) log a failure as an ERROR, then raise it; the DataError made
+    of it names the file and line, so the failure is said once, in one sentence, and not also as a log line."""
+    readers = logging.getLogger("datasets.packaged_modules")
+    level = readers.level
+    readers.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        readers.setLevel(level)
 
 
 def tokenize_rows(
@@ -126,10 +145,11 @@ def _text_column(table: pa.Table, text_field: str, first_row: int) -> pa.Array:
     column = table.column(text_field).combine_chunks()
     if column.null_count:
         row = first_row + int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
-        raise BadRowError(row, f"text field {text_field!r} is missing or null")
+        raise BadRowError(row, f"text field {text_field!r} is missing or null: fix or remove the row")
     if not any(check(column.type) for check in _TEXT_TYPES):
         raise DataError(
-            f"text field {text_field!r} has type {column.type}, expected strings: set hf.text_field to a text column"
+            f"text field {text_field!r} has type {column.type}, expected strings: set data.hf.text_field to a text "
+            "column"
         )
     # Readers do not all validate UTF-8 (pyarrow's JSON reader passes invalid bytes through), and
     # byte-level tokenization would turn them into tokens of a text that cannot be decoded.
@@ -141,7 +161,9 @@ def _text_column(table: pa.Table, text_field: str, first_row: int) -> pa.Array:
             try:
                 value.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise BadRowError(first_row + i, f"text field {text_field!r} is not valid UTF-8: {exc}") from None
+                raise BadRowError(
+                    first_row + i, f"text field {text_field!r} is not valid UTF-8 ({exc}): re-encode it as UTF-8"
+                ) from None
         raise
     return texts
 
@@ -168,11 +190,11 @@ def tokenize_dataset(
     from datasets.fingerprint import Hasher
 
     if len(dataset) == 0:
-        raise DataError(f"{where} has no rows")
+        raise DataError(f"{where} has no rows: point data.hf.path or data.hf.data_files at data with documents")
     if config.text_field not in dataset.column_names:
         raise DataError(
             f"{where}: row 0 has no text field {config.text_field!r} (columns: {dataset.column_names}): "
-            "set hf.text_field to one of them"
+            "set data.hf.text_field to one of them"
         )
     # Our own cache key: hashing the tokenizer object through dill is slow and not always stable.
     # ``_fingerprint`` is datasets' identity of the loaded data (its own cache key for this table).
@@ -232,13 +254,26 @@ def _tokenized_documents(
     stream, config: HFSourceConfig, data_files: Optional[list[str]], where: str, kwargs: dict
 ) -> Iterator[pa.LargeListArray]:
     row = 0
-    for table in stream.with_format("arrow").iter(batch_size=config.map_batch_size):
+    tables = stream.with_format("arrow").iter(batch_size=config.map_batch_size)
+    while True:
+        try:
+            with _readers_quiet():
+                table = next(tables)
+        except StopIteration:
+            return
+        except DataError:
+            raise
+        except Exception as exc:  # a reader failing mid-stream, as load_split's do up front: name the file and line
+            files = resolve_data_files(config, data_files)
+            raise _explain_load_failure(files, config.text_field, where, exc) from exc
         try:
             ids = tokenize_rows(table, row, **kwargs)
         except BadRowError as err:
             raise DataError(f"{locate_row(config, data_files, where, err.row)}: {err.problem}") from err
         except KeyError as err:  # a later file lacks the column entirely
-            raise DataError(f"{where}: row {row}: no text field {config.text_field!r}") from err
+            raise DataError(
+                f"{where}: row {row}: no text field {config.text_field!r}: set data.hf.text_field or fix the files"
+            ) from err
         yield ids
         row += table.num_rows
 
@@ -263,13 +298,13 @@ def _buffer_shuffle(docs: Iterator[np.ndarray], size: int, rng: np.random.Genera
         yield buffer[j]
 
 
-def resolve_data_files(config: HFSourceConfig, data_files: Optional[list[str]]) -> list[str]:
+def resolve_data_files(config: HFSourceConfig, data_files: Optional[list[str]], key: str = "data_files") -> list[str]:
     """Local paths/globs expanded (each glob sorted) in the order given, so rows follow this file order.
 
     Local means: with a file builder (``path`` = "json", "parquet", ...) relative to the working
     directory, with a local dataset directory relative to it. A local pattern matching nothing, a
-    missing file or an empty file is a DataError. URLs, and patterns inside a hub dataset, are passed
-    through for datasets to resolve.
+    missing file or an empty file is a DataError naming ``key``, the config field that lists the files.
+    URLs, and patterns inside a hub dataset, are passed through for datasets to resolve.
     """
     if os.path.isdir(config.path):
         base = config.path
@@ -283,12 +318,17 @@ def resolve_data_files(config: HFSourceConfig, data_files: Optional[list[str]]) 
             files.append(pattern)
             continue
         pattern = os.path.join(base, pattern)  # unchanged when base is "" or the pattern is absolute
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches or not os.path.exists(matches[0]):
-            raise DataError(f"data file {pattern!r} does not exist (or the pattern matches nothing)")
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern))
+            if not matches:
+                raise DataError(f"{key}: pattern {pattern!r} matches nothing: fix the pattern or add the files")
+        elif os.path.exists(pattern):
+            matches = [pattern]
+        else:
+            raise DataError(f"{key}: data file {pattern!r} does not exist: fix the path or point {key} elsewhere")
         for path in matches:
             if os.path.isfile(path) and os.path.getsize(path) == 0:
-                raise DataError(f"data file {path!r} is empty: remove it from data_files or fill it")
+                raise DataError(f"{key}: data file {path!r} is empty: remove it from {key} or fill it")
         files.extend(matches)
     return files
 
@@ -300,33 +340,41 @@ def _explain_load_failure(files: list[str], text_field: str, where: str, exc: Ex
             problem = _first_bad_line(path, text_field)
             if problem:
                 return DataError(f"{path}: {problem}")
-    return DataError(f"could not load {where}: {type(exc).__name__}: {exc}")
+    detail = (str(exc).strip().splitlines() or [""])[0]
+    return DataError(
+        f"could not load {where} ({type(exc).__name__}: {detail}): check data.hf.path, data.hf.name and "
+        "data.hf.data_files"
+    )
 
 
-def _first_bad_line(path: str, text_field: str) -> Optional[str]:
+def _first_bad_line(path: str, text_field: str, max_lines: Optional[int] = None) -> Optional[str]:
+    """What is wrong with the first bad line among the first `max_lines` (all: None) of a text or JSON-lines file."""
     json_lines = path.endswith(".jsonl") or (path.endswith(".json") and _first_byte(path) == b"{")
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(itertools.islice(f, max_lines), start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                return f"line {number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line)"
+                return f"line {number}: not valid UTF-8 ({err.reason} at byte {err.start} of the line): re-encode it"
             if not json_lines or not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                return f"line {number}: not valid JSON ({err.msg})"
+                return f"line {number}: not valid JSON ({err.msg}): fix the line"
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                return f"line {number}: no text field {text_field!r} (has {keys}): set hf.text_field or fix the row"
+                return f"line {number}: no text field {text_field!r} (has {keys}): set data.hf.text_field or fix it"
             text = record[text_field]
             if not isinstance(text, str):
-                return f"line {number}: text field {text_field!r} is {type(text).__name__}, expected a string"
+                return (
+                    f"line {number}: text field {text_field!r} is {type(text).__name__}, expected a string: "
+                    "set data.hf.text_field to a text field"
+                )
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as err:
-                return f"line {number}: text field {text_field!r} is not valid UTF-8 ({err.reason})"
+                return f"line {number}: text field {text_field!r} is not valid UTF-8 ({err.reason}): fix the row"
     return None
 
 

@@ -62,17 +62,18 @@ class ValConfig:
 
     def __post_init__(self) -> None:
         if self.fraction is not None and not 0.0 <= self.fraction < 1.0:
-            raise DataConfigError(f"val.fraction={self.fraction} must be in [0, 1)")
+            raise DataConfigError(f"data.val.fraction={self.fraction} must be in [0, 1)")
         if self.split is not None and self.fraction is not None:
             raise DataConfigError(
-                f"val.fraction is unused when val.split={self.split!r} is given: set one of them, the other to null"
+                f"data.val.fraction is unused when data.val.split={self.split!r} is given: set one of them, "
+                "the other to null"
             )
         if self.data_files is not None and self.split is None:
-            raise DataConfigError("val.data_files needs val.split (the split those files hold)")
+            raise DataConfigError("data.val.data_files needs data.val.split (the split those files hold)")
         if self.global_batch_size is not None and self.global_batch_size < 1:
-            raise DataConfigError(f"val.global_batch_size={self.global_batch_size} must be >= 1")
+            raise DataConfigError(f"data.val.global_batch_size={self.global_batch_size} must be >= 1")
         if self.max_batches is not None and self.max_batches < 1:
-            raise DataConfigError(f"val.max_batches={self.max_batches} must be >= 1 or null")
+            raise DataConfigError(f"data.val.max_batches={self.max_batches} must be >= 1 or null")
 
     @property
     def holdout_fraction(self) -> float:
@@ -113,7 +114,7 @@ class DataConfig:
                 )
             if self.val.split is not None:
                 raise DataConfigError(
-                    "data.val.split needs data.source=hf; the synthetic source holds out val.fraction"
+                    "data.val.split needs data.source=hf; the synthetic source holds out data.val.fraction"
                 )
         else:
             if self.synthetic != SyntheticConfig():
@@ -244,7 +245,7 @@ class ValLoader:
         if num_batches == 0:
             raise DataError(
                 f"{self.where}: validation holds {self.samples.num_samples} packed samples, fewer than one global "
-                f"batch of {self.layout.global_batch_size}: raise val.fraction, lower val.global_batch_size "
+                f"batch of {self.layout.global_batch_size}: raise data.val.fraction, lower data.val.global_batch_size "
                 "or data.seq_len"
             )
         return num_batches

@@ -60,10 +60,10 @@ class SyntheticConfig:
 
     def __post_init__(self) -> None:
         if self.num_domains < 1:
-            raise DataConfigError(f"synthetic.num_domains={self.num_domains} must be >= 1")
+            raise DataConfigError(f"data.synthetic.num_domains={self.num_domains} must be >= 1")
         if not 1 <= self.symbols_per_domain <= _MAX_SYMBOLS_PER_DOMAIN:
             raise DataConfigError(
-                f"synthetic.symbols_per_domain={self.symbols_per_domain} must be in [1, {_MAX_SYMBOLS_PER_DOMAIN}]"
+                f"data.synthetic.symbols_per_domain={self.symbols_per_domain} must be in [1, {_MAX_SYMBOLS_PER_DOMAIN}]"
             )
         if self.num_domains * self.symbols_per_domain + 2 > 2**16:
             raise DataConfigError(
@@ -72,17 +72,22 @@ class SyntheticConfig:
             )
         if not 1 <= self.branching <= min(self.symbols_per_domain, PROB_DENOMINATOR):
             raise DataConfigError(
-                f"synthetic.branching={self.branching} must be in [1, min(symbols_per_domain, "
+                f"data.synthetic.branching={self.branching} must be in [1, min(symbols_per_domain, "
                 f"{PROB_DENOMINATOR})]: lower branching or raise symbols_per_domain"
             )
         if not self.mean_doc_len >= 1.0:
             raise DataConfigError(
-                f"synthetic.mean_doc_len={self.mean_doc_len} must be >= 1 (documents hold >= 1 symbol)"
+                f"data.synthetic.mean_doc_len={self.mean_doc_len} must be >= 1 (documents hold >= 1 symbol)"
             )
         if self.num_tokens < 1:
-            raise DataConfigError(f"synthetic.num_tokens={self.num_tokens} must be >= 1")
+            raise DataConfigError(f"data.synthetic.num_tokens={self.num_tokens} must be >= 1")
         if self.seed < 0:
-            raise DataConfigError(f"synthetic.seed={self.seed} must be >= 0")
+            raise DataConfigError(f"data.synthetic.seed={self.seed} must be >= 0")
+
+    @property
+    def vocab_size(self) -> int:
+        """Every domain's symbols, then EOS and PAD."""
+        return self.num_domains * self.symbols_per_domain + 2
 
 
 class SyntheticLanguage:
@@ -93,7 +98,7 @@ class SyntheticLanguage:
         self.num_symbols = config.num_domains * config.symbols_per_domain
         self.eos_id = self.num_symbols
         self.pad_id = self.num_symbols + 1
-        self.vocab_size = self.num_symbols + 2
+        self.vocab_size = config.vocab_size
         self.end_prob = 1.0 / config.mean_doc_len
         self.successors, self.counts = self._make_tables()  # (S, branching) each
         # lookup[s, u] for u uniform in [0, PROB_DENOMINATOR): successor j occupies counts[s, j] slots

@@ -30,8 +30,8 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         if self.name_or_path is None and (self.eos_token is not None or self.pad_token is not None):
             raise DataConfigError(
-                "tokenizer.eos_token/pad_token only apply to a Hugging Face tokenizer: set tokenizer.name_or_path "
-                "or remove them (byte-level uses EOS=256, PAD=257)"
+                "data.tokenizer.eos_token/pad_token only apply to a Hugging Face tokenizer: set "
+                "data.tokenizer.name_or_path or remove them (byte-level uses EOS=256, PAD=257)"
             )
 
 
@@ -139,7 +139,10 @@ def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(path)
         except Exception as exc:  # a corrupt or foreign file: say which, not a Rust parse trace
-            raise DataError(f"tokenizer file {path!r} could not be read ({exc}): give a tokenizer.json") from exc
+            raise DataError(
+                f"data.tokenizer.name_or_path={path!r} could not be read ({_first_line(exc)}): give a tokenizer.json "
+                "that the tokenizers library wrote"
+            ) from exc
         default_eos, default_pad = None, None
     else:
         import transformers
@@ -148,16 +151,21 @@ def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
             auto = transformers.AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # not on disk, and no network or no such hub name
             raise DataError(
-                f"tokenizer {path!r} could not be loaded ({type(exc).__name__}: {str(exc).splitlines()[0]}): "
-                "give a local directory or tokenizer.json, or a hub name reachable from this machine"
+                f"data.tokenizer.name_or_path={path!r} could not be loaded ({type(exc).__name__}: "
+                f"{_first_line(exc)}): give a local directory or tokenizer.json, or a hub name reachable from here"
             ) from exc
         if not auto.is_fast:
-            raise DataError(f"tokenizer {path!r} has no fast (Rust) backend: convert it to a tokenizer.json")
+            raise DataError(
+                f"data.tokenizer.name_or_path={path!r} has no fast (Rust) backend: convert it to a tokenizer.json"
+            )
         backend = auto.backend_tokenizer
         default_eos, default_pad = auto.eos_token, auto.pad_token
     eos_token = config.eos_token or default_eos
     if eos_token is None:
-        raise DataError(f"tokenizer {path!r} defines no EOS token: set tokenizer.eos_token to one of its tokens")
+        raise DataError(
+            f"data.tokenizer.name_or_path={path!r} defines no EOS token: set data.tokenizer.eos_token to one of "
+            "its tokens"
+        )
     eos_id = _token_id(backend, eos_token, path, "eos_token")
     pad_token = config.pad_token or default_pad
     pad_id = _token_id(backend, pad_token, path, "pad_token") if pad_token is not None else eos_id
@@ -167,7 +175,9 @@ def build_tokenizer(config: TokenizerConfig) -> ByteTokenizer | HFTokenizer:
 def _token_id(backend, token: str, path: str, field: str) -> int:
     token_id = backend.token_to_id(token)
     if token_id is None:
-        raise DataError(f"tokenizer {path!r} has no token {token!r}: set tokenizer.{field} to a token in its vocab")
+        raise DataError(
+            f"tokenizer {path!r} has no token {token!r}: set data.tokenizer.{field} to a token in its vocab"
+        )
     return token_id
 
 
@@ -176,6 +186,10 @@ def check_vocab_fits(tokenizer_name: str, vocab_size: int, model_vocab_size: int
     if vocab_size > model_vocab_size:
         raise DataError(
             f"tokenizer {tokenizer_name!r} has vocab_size {vocab_size} (ids up to {vocab_size - 1}) but the model's "
-            f"vocab_size is {model_vocab_size}: raise the model's vocab_size to >= {vocab_size} "
-            "or use a smaller tokenizer"
+            f"vocab_size is {model_vocab_size}: raise model.vocab_size to >= {vocab_size} or use a smaller tokenizer"
         )
+
+
+def _first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
