@@ -8,30 +8,43 @@
 Under torchrun every rank runs this Hydra app. Only rank 0 lets Hydra write its .hydra/ files and log, and rank 0's
 output directory is broadcast once the process group exists, so a time-stamped directory that differs by a second
 between ranks cannot split a run.
+
+Bad input (a config Hydra cannot compose or our checks refuse, data files or a tokenizer that cannot work, a checkpoint
+that is not there) ends the start with exit 2 and one line on stderr, `<config|data|checkpoint> error: <key>...: <fix>`,
+before any process group exists (rows that only tokenizing reveals excepted, see data_pipeline/preflight.py), and
+leaves the run directory as it found it (bad_input.py).
 """
 
+import contextlib
+import io
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from data_pipeline import DataConfigError, DataError
+from data_pipeline import DataConfigError, DataError, preflight
 from moe import ModelConfigError
+from moe_platform import bad_input
+from moe_platform.bad_input import RunDirBefore
 from moe_platform.checkpoint import (
     CheckpointError,
+    CheckpointWriteError,
+    check_layout,
     needs_universal_load,
     read_layout,
-    resolve_resume,
+    resume_candidates,
     sharding_layout,
 )
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
 from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
+from moe_platform.nan_guard import NumericalFault
 from moe_platform.preemption import RequeueLimitReached
 from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
 
@@ -73,11 +86,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
     check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
+    preflight(config.data, config.model.vocab_size, world_size, config.trainer.micro_batch_size)  # no tokenizing yet
     own_dir = Path(HydraConfig.get().runtime.output_dir)
-    resume_from = resolve_resume(config.resume, own_dir)
+    candidates, passed_over = resume_candidates(config.resume, own_dir)  # newest first, files all present
+    if passed_over and int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(f"checkpoint passed over: {line}" for line in passed_over), file=sys.stderr, flush=True)
     distributed = config.distributed
     layout = sharding_layout(distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size)
-    load_universal = resume_from is not None and needs_universal_load(read_layout(resume_from), layout)
+    if candidates:  # a checkpoint of another strategy or ZeRO stage is refused before any process group
+        check_layout(candidates[0], read_layout(candidates[0]), layout)
+    load_universal = bool(candidates) and needs_universal_load(read_layout(candidates[0]), layout)
     accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:
         run_dir = agree_on_run_dir(accelerator, own_dir)
@@ -85,8 +103,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if accelerator.is_main_process:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(config_yaml)
-        trainer = Trainer(config, run_dir, accelerator, grad_accum, config_yaml, layout, resume_from)
-        return trainer.fit()
+        trainer = Trainer(config, run_dir, accelerator, grad_accum, config_yaml, layout, candidates)
+        with trainer.liveness.exit_on_distributed_error():  # a dead or hung rank: one line naming it, exit 5
+            return trainer.fit()
     finally:
         accelerator.end_training()  # destroys the process group
 
@@ -97,11 +116,18 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
         return run(cfg)  # a sweep's launcher (e.g. submitit) hands each job's last metrics back
     except tuple(BAD_INPUT) as err:  # a user's mistake: one sentence, no trace; anything else keeps its traceback
         kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
-        print(f"{kind} error: {err}", file=sys.stderr)
+        print(f"{kind} error: {err}".replace("\n", " "), file=sys.stderr)
+        _undo_refused_start()
         sys.exit(2)
     except RequeueLimitReached as err:  # the checkpoint is complete; the job just may not requeue again
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(3)
+    except NumericalFault as err:  # a NaN/Inf loss, gradient or weight: the last good checkpoint is the latest
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(4)
+    except CheckpointWriteError as err:  # a full disk or failing storage: the earlier checkpoints are intact
+        print(f"stopped: {err}", file=sys.stderr)
+        sys.exit(6)
 
 
 def register_configs() -> None:
@@ -119,8 +145,100 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     register_configs()
     _quiet_hydra_on_other_ranks()
+    _no_live_progress_bars_off_a_terminal()
+    _compose_or_exit(sys.argv[1:])
     _hydra_main()
     _leave_without_interpreter_teardown()
+
+
+# What the run directory held before Hydra made it; noted by _compose_or_exit, read if the start is refused.
+_run_dir_before: Optional[RunDirBefore] = None
+
+
+def _compose_or_exit(argv: list[str]) -> None:
+    """Compose a plain run's config once before Hydra does, so that a mistake in composing it is one sentence
+    (`config error: trainer.max_step is not a key of trainer: did you mean trainer.max_steps?`) and exit 2, not
+    Hydra's several lines and exit 1; and note the run directory as it is before Hydra makes it. Anything but a
+    plain run (--help, --cfg, --multirun, ...) is left to Hydra as it is."""
+    global _run_dir_before
+    overrides = _plain_run_overrides(argv)
+    if overrides is None:
+        return
+    from hydra import compose, initialize_config_dir
+
+    def compose_train(some: list[str]) -> DictConfig:
+        return compose("train", overrides=some, return_hydra_config=True)
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        try:
+            cfg = compose_train(overrides)
+        except Exception as err:
+            sentence = _composition_error(err, overrides, compose_train)
+            if sentence is None:
+                return  # not a mistake in the input: Hydra composes again and reports it its own way
+            print(f"config error: {sentence}".replace("\n", " "), file=sys.stderr)
+            sys.exit(2)
+    with contextlib.suppress(Exception):  # a run dir that cannot be resolved here fails in Hydra just the same
+        hydra_node = cfg.hydra
+        _run_dir_before = RunDirBefore.look(str(hydra_node.run.dir), hydra_node.output_subdir)
+
+
+def _composition_error(
+    err: Exception, overrides: list[str], compose: Callable[[list[str]], DictConfig]
+) -> Optional[str]:
+    """One sentence, naming the key and the fix, for a mistake Hydra met composing `overrides` (bad_input.py words
+    it); None for anything else, which keeps Hydra's own report. `compose` composes a list of overrides."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+    if isinstance(err, OverrideParseException):
+        return bad_input.unparsable(str(err))
+    if isinstance(err, MissingConfigException):
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
+        return bad_input.missing_option(group, option, list(err.options or []), bad_input.first_line(err))
+    if isinstance(err, AssertionError):  # OmegaConf's, for an override that sets a key below a null node
+        return bad_input.below_null(overrides, compose)
+    if isinstance(err, ConfigCompositionException):
+        return bad_input.composition_cause(err.__cause__, bad_input.first_line(err), overrides)
+    return None
+
+
+def _plain_run_overrides(argv: list[str]) -> Optional[list[str]]:
+    """The overrides of a plain run, as Hydra's own argument parser reads them; None for anything else."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args, unknown = get_args_parser().parse_known_args(argv)
+    except SystemExit:  # --version, or arguments Hydra's parser refuses: Hydra answers them itself
+        return None
+    other_work = (
+        args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun,
+        args.experimental_rerun, args.config_path, args.config_name, args.config_dir,
+    )  # fmt: skip
+    if unknown or any(other_work) or any(o.lstrip("+").startswith("hydra.mode=") for o in args.overrides):
+        return None
+    return args.overrides
+
+
+def _undo_refused_start() -> None:
+    """A start refused for bad input leaves no half-made run directory: what this start added goes, nothing else.
+    Only rank 0 wrote Hydra's files and the config.yaml; another rank removes just a directory it made empty."""
+    if _run_dir_before is None or not HydraConfig.initialized():
+        return
+    hydra_config = HydraConfig.get()
+    ours = set()
+    if hydra_config.output_subdir is not None:
+        ours = {hydra_config.output_subdir, f"{hydra_config.job.name}.log", "config.yaml"}
+    with contextlib.suppress(OSError):
+        _run_dir_before.undo(hydra_config.runtime.output_dir, ours)
+
+
+def _no_live_progress_bars_off_a_terminal() -> None:
+    """datasets' progress bars (loading, tokenizing) redraw one line with carriage returns: progress on a terminal,
+    noise in a Slurm or CI log, where they would also come before an error's one sentence on stderr. So they are
+    off when stderr is not a terminal, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _leave_without_interpreter_teardown() -> None:

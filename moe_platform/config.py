@@ -7,6 +7,8 @@ at composition. Cross-field checks that need the launch (world size, GPU presenc
 which runs before any process group or allocation. Loading a saved config.yaml needs OmegaConf only, not Hydra.
 """
 
+import dataclasses
+import difflib
 import math
 import os
 import signal
@@ -15,7 +17,12 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, ValidationError
+from omegaconf.errors import (
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from data_pipeline import DataConfig, DataConfigError
 from moe import ModelConfig, ModelConfigError
@@ -24,6 +31,8 @@ SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed")
 PRECISIONS = ("fp32", "bf16")
 MOE_DETAILS = ("brief", "detailed")
+BACKENDS = ("nccl", "gloo", "mpi", "ucc")  # torch.distributed's; null picks nccl with GPUs, gloo without
+WANDB_MODES = ("online", "offline", "disabled", "shared")
 
 
 class ConfigError(ValueError):
@@ -83,6 +92,7 @@ class DistributedConfig:
     offload_optimizer: bool = False  # deepspeed stage >= 1: optimizer state in host memory
     offload_params: bool = False  # deepspeed stage 3: parameters in host memory
     backend: Optional[str] = None  # None: nccl with GPUs, gloo on CPU
+    # How long a collective waits for a dead or hung rank before failing; the survivors then name it (liveness.py)
     timeout_s: int = 600
     check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see memory.py)
     # EP: each group of this many consecutive ranks splits every MoE layer's experts (expert_parallel.py)
@@ -107,6 +117,10 @@ class DistributedConfig:
         _require(
             not self.offload_params or self.zero_stage == 3,
             "distributed.offload_params needs distributed.zero_stage=3: use distributed=zero3_offload",
+        )
+        _require(
+            self.backend is None or self.backend in BACKENDS,
+            f"distributed.backend={self.backend!r} is unknown: use one of {BACKENDS}, or null for nccl/gloo by device",
         )
         _require(self.timeout_s > 0, f"distributed.timeout_s={self.timeout_s} must be positive")
         _require(
@@ -146,6 +160,14 @@ class LoggingConfig:
             self.moe_detail in MOE_DETAILS,
             f"logging.moe_detail={self.moe_detail!r} is unknown: use one of {MOE_DETAILS}",
         )
+        _require(
+            self.wandb_mode is None or self.wandb_mode in WANDB_MODES,
+            f"logging.wandb_mode={self.wandb_mode!r} is unknown: use one of {WANDB_MODES}, or null for WANDB_MODE",
+        )
+        _require(
+            self.peak_tflops is None or self.peak_tflops > 0,
+            f"logging.peak_tflops={self.peak_tflops} must be positive (the device's dense peak), or null",
+        )
         _require(self.visuals_every >= 0, f"logging.visuals_every={self.visuals_every} must be >= 0 (0: never)")
         _require(self.alert_maxvio > 0, f"logging.alert_maxvio={self.alert_maxvio} must be positive, e.g. 1.0")
         _require(
@@ -164,7 +186,8 @@ class PreemptionConfig:
     requeue the job, which resumes from that checkpoint. See preemption.py."""
 
     enabled: bool = True
-    signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    # SIGUSR1: Slurm's warning before the time limit; SIGTERM: preempted or cancelled; SIGINT: Ctrl-C on a local run
+    signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM", "SIGINT"])
     requeue: bool = True  # under Slurm: `scontrol requeue` once the checkpoint is complete
     max_requeues: int = 20  # Slurm's SLURM_RESTART_COUNT at which the job stops instead of requeueing again
 
@@ -188,14 +211,24 @@ class TrainerConfig:
     eval_every: int = 50  # 0 disables periodic eval; a final eval runs when validation is enabled
     # How much each evaluation reads is data.val.max_batches (the data pipeline must know it to cap a stream).
     save_every: int = 0  # 0: only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # besides these, pruning keeps the checkpoint a run resumed from
+    save_retries: int = 3  # a transient I/O error while saving (EIO, ESTALE, …) is retried this many times
     save_final: bool = True
+    # A NaN/Inf loss or gradient (nan_guard.py): "halt" stops the run at once (a NaN usually means bad data,
+    # divergence or a faulty device, which skipping would hide); "skip" drops the step, and halts at the
+    # nan_max_consecutive-th such step in a row.
+    on_nan: str = "halt"
+    nan_max_consecutive: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "micro_batch_size", "log_every", "keep_last"):
+        for name in ("max_steps", "micro_batch_size", "log_every", "keep_last", "nan_max_consecutive"):
             value = getattr(self, name)
             _require(value >= 1, f"trainer.{name}={value} must be >= 1")
-        for name in ("eval_every", "save_every"):
+        _require(
+            self.on_nan in ("halt", "skip"),
+            f"trainer.on_nan={self.on_nan!r} is unknown: use 'halt' (stop at a NaN/Inf loss or gradient) or 'skip'",
+        )
+        for name in ("eval_every", "save_every", "save_retries"):
             value = getattr(self, name)
             _require(value >= 0, f"trainer.{name}={value} must be >= 0 (0 disables it)")
         _require(
@@ -206,6 +239,12 @@ class TrainerConfig:
             self.precision in PRECISIONS,
             f"trainer.precision={self.precision!r} is unsupported: use one of {PRECISIONS} "
             "(fp16 is left out on purpose: bf16 needs no loss scaling)",
+        )
+        _require(
+            self.save_final or self.save_every <= self.max_steps,
+            f"trainer.save_every={self.save_every} exceeds trainer.max_steps={self.max_steps} and "
+            "trainer.save_final=false, so the run would never write a checkpoint: lower trainer.save_every or set "
+            "trainer.save_final=true",
         )
 
 
@@ -236,6 +275,12 @@ class TrainConfig:
         _require(
             self.resume == "none" or self.resume == "auto" or bool(self.resume),
             "resume must be 'none', 'auto' or a checkpoint path",
+        )
+        _require(
+            not (self.distributed.strategy == "deepspeed" and self.distributed.zero_stage == 0)
+            or self.trainer.precision == "bf16",
+            "distributed.zero_stage=0 with trainer.precision=fp32 steps DeepSpeed's plain optimizer without checking "
+            "the gradients, so a NaN would reach the weights (nan_guard.py): use distributed=zero1 or ddp",
         )
         self._check_expert_parallel()
 
@@ -300,15 +345,51 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
 
 # A user's mistake in the config, from any component's checks or from OmegaConf's own typing; anything else raised
 # while building the config (a TypeError in a __post_init__, say) is a bug and keeps its traceback.
-USER_CONFIG_ERRORS = (ConfigError, ModelConfigError, DataConfigError, ValidationError, MissingMandatoryValue)
+USER_CONFIG_ERRORS = (
+    ConfigError, ModelConfigError, DataConfigError, ValidationError, MissingMandatoryValue, InterpolationResolutionError
+)  # fmt: skip
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The typed, validated config; a user's config mistake becomes one ConfigError sentence."""
+    reject_added_keys(cfg)
     try:
         return OmegaConf.to_object(cfg)
     except USER_CONFIG_ERRORS as err:
-        raise ConfigError(str(err).split("\n")[0].strip()) from None
+        raise ConfigError(_one_sentence(err)) from None
+
+
+def _one_sentence(err: Exception) -> str:
+    """The error's first line; OmegaConf's own errors name their key only on a later line and suggest no fix."""
+    first = str(err).split("\n")[0].strip()
+    if not isinstance(err, OmegaConfBaseException):
+        return first
+    key = err.full_key or "the config"
+    if isinstance(err, InterpolationResolutionError):
+        return f"{key}: {first}: fix the ${{...}} reference or give {key} a plain value"
+    if isinstance(err, MissingMandatoryValue):
+        return f"{key} has no value (???): give it one, e.g. on the command line as {key}=..."
+    return f"{key}: {first}: give {key} a value of the type its schema declares"
+
+
+def reject_added_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Refuse a key added with `+` that the schema lacks: `OmegaConf.to_object` would silently drop it."""
+    schema = OmegaConf.get_type(cfg)
+    for key in cfg.keys():
+        if dataclasses.is_dataclass(schema) and key not in {f.name for f in dataclasses.fields(schema)}:
+            raise ConfigError(not_a_key(f"{prefix}{key}", schema))
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not (node._is_none() or node._is_missing() or node._is_interpolation()):
+            reject_added_keys(node, f"{prefix}{key}.")
+
+
+def not_a_key(full_key: str, schema: type) -> str:
+    """'<key> is not a key of <parent>: did you mean <the closest key>?' for a key that dataclass `schema` lacks."""
+    parent, _, leaf = full_key.rpartition(".")
+    names = [f.name for f in dataclasses.fields(schema)]
+    close = difflib.get_close_matches(leaf, names, n=1)
+    fix = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else f"use one of {', '.join(names)}"
+    return f"{full_key} is not a key of {parent or 'the top level'}: {fix}"
 
 
 def load_run_config(config_yaml: Path) -> TrainConfig:

@@ -89,11 +89,19 @@ def build_accelerator(
     if dist.strategy == "deepspeed":
         describe_lone_process_group()
     # A lone process has no group to set up; passing group kwargs then makes Accelerate look for one.
-    handlers = (
-        [InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=dist.timeout_s))]
-        if world_size > 1 or dist.strategy == "deepspeed"
-        else []
-    )
+    grouped = world_size > 1 or dist.strategy == "deepspeed"
+    timeout = timedelta(seconds=dist.timeout_s)
+    handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout)] if grouped else []
+    if grouped and not torch.distributed.is_initialized():
+        # Made here, and Accelerate and DeepSpeed take it as it is: InitProcessGroupKwargs.to_kwargs() drops a
+        # timeout equal to its own default (600 s), and the group then got torch's 30 min under DDP on gloo, or
+        # DEEPSPEED_TIMEOUT under DeepSpeed (measured; liveness.py relies on this timeout to name a hung rank).
+        torch.distributed.init_process_group(backend, timeout=timeout)
+        # new_group() does not inherit it either but takes torch's module default (30 min on gloo, 10 on NCCL), and
+        # DeepSpeed's data-parallel groups and expert_parallel's are made so (measured: a ZeRO-2 rank waited on a
+        # stopped peer far past distributed.timeout_s=10). Every later group gets the configured timeout too.
+        c10d = torch.distributed.distributed_c10d
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     mixed_precision = "bf16" if config.trainer.precision == "bf16" else "no"
     if dist.strategy == "deepspeed":
         plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(config, grad_accum, world_size, load_universal))

@@ -11,6 +11,7 @@ p is read at position p/100 · (L − 1), so with one layer every summary is tha
 """
 
 import json
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,31 @@ def across_layers(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 WANDB_ID_FILE = "wandb_run_id"
+METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+
+
+def supersede_records_after(path: Path, step: int) -> int:
+    """Keep in `path` the records of steps ≤ `step`; move the later ones (and a line cut short by a kill) to
+    metrics.superseded.jsonl beside it, so every step is in metrics.jsonl once after a resume and nothing is lost.
+    Returns how many lines moved."""
+    if not path.is_file():
+        return 0
+    kept, superseded = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            later = record["step"] > step
+        except (ValueError, KeyError, TypeError):
+            later = True  # the last line of a killed job, half written
+        (superseded if later else kept).append(line)
+    if superseded:
+        with open(path.with_name(SUPERSEDED_FILE), "a") as f:
+            f.write("".join(line + "\n" for line in superseded))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return len(superseded)
 
 
 def wandb_run_id(run_dir: Path) -> str:
@@ -107,7 +133,9 @@ class MetricSinks:
     message as text in TensorBoard. The wandb config is the run's config with secrets replaced (redact.py).
     """
 
-    def __init__(self, run_dir: Path, config_dict: dict, logging_config, is_main: bool) -> None:
+    def __init__(self, run_dir: Path, config_dict: dict, logging_config, is_main: bool, start_step: int = 0) -> None:
+        """`start_step`: the step this job starts from (a resume's); records of later steps, written by a job that
+        was killed after that checkpoint, are superseded (see `supersede_records_after`)."""
         self.is_main = is_main
         self.moe_detail = logging_config.moe_detail
         self.visuals_every = logging_config.visuals_every
@@ -118,7 +146,8 @@ class MetricSinks:
         self.alerts = 0
         if not is_main:
             return
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)
+        supersede_records_after(Path(run_dir) / METRICS_FILE, start_step)
+        self.jsonl = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)
         if logging_config.wandb:
             import wandb
 
@@ -139,7 +168,8 @@ class MetricSinks:
         if logging_config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            # purge_step: TensorBoard drops the events a killed job wrote after the step this one resumes from
+            self.tensorboard = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.is_main:

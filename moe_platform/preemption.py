@@ -12,10 +12,23 @@ Who is told, and how:
 Then every rank writes the checkpoint, rank 0 removes the request file and, under Slurm, requeues the job
 (`scontrol requeue $SLURM_JOB_ID`); the requeued job starts the same script with `resume=auto` in the same run
 directory, so no step is lost or repeated. Slurm counts requeues in SLURM_RESTART_COUNT: past
-`preemption.max_requeues` the job stops with a message instead of requeueing. A second signal while the first is
-pending falls back to the signal's default action, so an impatient Ctrl-C or kill still works.
+`preemption.max_requeues` the job stops with a message instead of requeueing.
+
+Ctrl-C (SIGINT, in the default `preemption.signals`) on a local run is a preemption too: checkpoint at the next step
+boundary, exit 0, continue with `resume=auto`. The first signal puts every watched signal back to its default action,
+so a second one is handled by the kernel and ends the process at once, even inside a long checkpoint write or a
+collective; a checkpoint it interrupts stays a `.tmp_step_…` directory, which `resume=auto` never takes.
+
+Under torchrun (measured with torch 2.13): the workers run in sessions of their own, so a terminal's Ctrl-C reaches
+only the agent, which sends each worker the signal it got (SIGINT) once and waits up to `--shutdown_timeout`
+(TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s by default) before it SIGKILLs the workers that are left. The workers stop
+after the next step with a complete checkpoint and exit 0, provided a step and a save fit in that time (raise it for
+big models; a save cut short leaves the previous checkpoint the latest); torchrun itself still exits 1 with a
+`SignalException` traceback, as it does for any signal. A second Ctrl-C makes torchrun SIGTERM the workers, which
+the first signal left at the default action: they end at once, wherever they are, and torchrun with them.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,6 +39,7 @@ from accelerate import Accelerator
 
 from moe_platform.config import PreemptionConfig
 
+STDERR = 2  # the descriptor: sys.stderr may be a wrapper without one (pytest's capture)
 REQUEST_FILE = ".preempt"  # written by slurm/train.sbatch's trap; read by every rank at step boundaries
 
 
@@ -53,11 +67,19 @@ class PreemptionWatch:
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.signalled is not None:  # asked twice: stop waiting for the step boundary
+        if self.signalled is not None:  # two signals were pending at once: the second one stops the process now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signalled = name
+        # From now on the kernel acts on a second signal: this handler runs only when the main thread is back in
+        # Python, which a long save or a collective waiting on a hung rank can delay for minutes.
+        for watched in self._previous_handlers:
+            signal.signal(watched, signal.SIG_DFL)
+        if self.accelerator.is_main_process:  # os.write: print() from a handler can hit a half-written stdout buffer
+            message = f"{name}: stopping after this step with a checkpoint (send {name} again to stop at once)\n"
+            with contextlib.suppress(OSError):
+                os.write(STDERR, message.encode())
 
     def requested(self) -> bool:
         """Collective: True on every rank when any rank was signalled or the request file exists."""

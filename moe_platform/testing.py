@@ -1,5 +1,6 @@
 """Test helpers, importable so that tests in any folder share them:
 * `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
+* `start_moe_train`, `wait_for_logged_step`, `worker_pids` act on a run while it trains (signals, preemption);
 * `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1;
 * `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them."""
 
@@ -10,6 +11,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -53,20 +55,29 @@ PORT_TAKEN = ("Address already in use", "EADDRINUSE", "DistNetworkError")
 
 
 def moe_train(
-    run_dir: Path, *overrides: str, nproc: int = 1, launcher: str | None = None, timeout: int = 300
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    launcher: str | None = None,
+    timeout: int = 300,
+    env: dict[str, str] | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run `moe-train` directly, or through `launcher` ("torchrun", the default when nproc > 1, or "accelerate")
-    on 127.0.0.1; raises AssertionError with the output on failure. A free port can be taken by another process
-    between choosing and binding it, so a launch that fails on its port is retried once on a new one."""
+    on 127.0.0.1, with `env` added to the environment (e.g. MOE_FAULTS); raises AssertionError with the output on
+    failure unless `check` is false. A free port can be taken by another process between choosing and binding it,
+    so a launch that fails on its port is retried once on a new one."""
     args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
     launcher = launcher or ("torchrun" if nproc > 1 else None)
     for attempt in range(2):
         command = _launch_command(launcher, nproc, args)
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **(env or {})}
+        )
         port_taken = any(marker in result.stderr for marker in PORT_TAKEN)
         if result.returncode == 0 or not port_taken or attempt == 1:
             break
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)}\nexit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
@@ -98,6 +109,46 @@ def wait_for_logged_step(run_dir: Path, step: int, process: subprocess.Popen, ti
             raise AssertionError(f"the run ended (exit {process.returncode}) before step {step}")
         time.sleep(0.05)
     raise AssertionError(f"no step {step} in {metrics} after {timeout} s")
+
+
+def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the training processes a torchrun launcher started."""
+    import psutil
+
+    workers = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        rank = child.environ().get("RANK")
+        if rank is not None and "moe-train" in " ".join(child.cmdline()):
+            workers[int(rank)] = child.pid
+    return workers
+
+
+def finish(process: subprocess.Popen, timeout: float = 180.0) -> int:
+    """The exit code of a run started by `start_moe_train`; its whole process group is killed if it overruns."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+
+
+def assert_stopped_once_and_resumes_exactly(run_dir: Path, reference: Path, *overrides: str, nproc: int) -> int:
+    """The interrupted run holds one complete checkpoint at the step it stopped; after resume=auto (with `overrides`,
+    those of both runs) every step is in metrics.jsonl exactly once and the losses equal the uninterrupted
+    `reference` run's, bit for bit. Returns the step it stopped at."""
+    from moe_platform.preemption import REQUEST_FILE
+
+    steps = max(metric_steps(reference))
+    stopped_at = max(metric_steps(run_dir))
+    assert stopped_at < steps, "the signal arrived too late to interrupt the run"
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
+    assert not (run_dir / REQUEST_FILE).exists(), "the request was cleared"
+    moe_train(run_dir, *overrides, "resume=auto", nproc=nproc)
+    assert metric_steps(run_dir) == list(range(1, steps + 1))
+    resumed, _ = read_metrics(run_dir)
+    straight, _ = read_metrics(reference)
+    assert [resumed[s]["loss"] for s in range(1, steps + 1)] == [straight[s]["loss"] for s in range(1, steps + 1)]
+    return stopped_at
 
 
 def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[str]:

@@ -3,14 +3,19 @@
 Per optimizer step, on every rank:
   1. set the learning rate for this step (a pure function of the step, so resume needs only the step)
   2. for each of the `grad_accum` micro-batches: forward → loss = LM loss + Σ per-layer MoE aux losses →
-     backward (Accelerate divides by grad_accum, or DeepSpeed does) → collect the MoE layers' raw counts
+     backward (Accelerate divides by grad_accum, or DeepSpeed does; a non-finite loss makes every gradient NaN) →
+     collect the MoE layers' raw counts
   3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients (under expert parallelism the experts'
-     over their expert-data-parallel group: expert_parallel.py), clip, and step the optimizer
-  4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks)
-  5. at the step boundary the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
+     over their expert-data-parallel group: expert_parallel.py), clip, and step the optimizer, unless the global
+     grad norm is not finite (DeepSpeed checks it itself): then no rank steps, and `trainer.on_nan` skips the step
+     or halts, naming the first module whose output was non-finite (nan_guard.py)
+  4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks; none in a skipped step)
+  5. at the step boundary each rank records the step in the c10d store (liveness.py names a dead or hung rank by it),
+     and the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
   6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record, and one record per
      routing alert (a layer's MaxVio or drops too high, or an expert dead, for M logs in a row: alerts.py)
-  7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint
+  7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint (every rank first checks its weights
+     are finite; if not, nothing is written and the run halts: nan_guard.py)
   8. when preempted: log the window, every rank saves, requeue (preemption.py), stop
 """
 
@@ -20,7 +25,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +36,14 @@ from moe import RunShape, format_ledger, matmul_flops_per_token
 from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
-from moe_platform import expert_parallel
+from moe_platform import expert_parallel, faults
 from moe_platform.alerts import RoutingAlerts
-from moe_platform.checkpoint import Checkpointer
+from moe_platform.checkpoint import Checkpointer, CheckpointError
 from moe_platform.config import TrainConfig
+from moe_platform.liveness import Liveness
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.model_build import build_model, full_shape
+from moe_platform.nan_guard import NanGuard, NumericalFault, poison_nonfinite
 from moe_platform.preemption import PreemptionWatch
 from moe_platform.progress import Progress
 from moe_platform.throughput import Throughput
@@ -46,16 +53,24 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TrainState:
-    """Counters a resume needs besides model, optimizer, RNG and data position (checkpointed by Accelerate)."""
+    """Counters a resume needs besides model, optimizer, RNG and data position; saved as JSON (checkpoint.py)."""
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
+    skipped_steps: int = 0  # of those steps, the ones skipped for a NaN/Inf loss or gradient (nan_guard.py)
+    skipped_in_a_row: int = 0
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every saved counter must be an integer; a counter added since the checkpoint was written keeps its
+        default, but `step` and `tokens_seen` are required."""
+        for name, value in asdict(self).items():
+            saved = state.get(name, value if name not in ("step", "tokens_seen") else None)
+            if not isinstance(saved, int) or isinstance(saved, bool):
+                raise CheckpointError(f"the checkpoint's trainer state has {name}={saved!r}, not an integer")
+            setattr(self, name, saved)
 
 
 class LogWindow:
@@ -65,11 +80,14 @@ class LogWindow:
         self.start = time.perf_counter()
         self.steps, self.losses, self.grad_norm, self.stats = 0, [], float("nan"), {}
 
-    def add(self, lm_loss: float, aux_loss: float, grad_norm: float, stats: dict[int, MoEStats]) -> None:
+    def add(
+        self, lm_loss: float, aux_loss: float, grad_norm: float, stats: dict[int, MoEStats], applied: bool = True
+    ) -> None:
         self.steps += 1
-        self.losses.append((lm_loss, aux_loss))
         self.grad_norm = grad_norm
-        self.stats = _add_stats(self.stats, stats)
+        if applied:  # a skipped step's losses and routing counts stay out of the means, as in Megatron's
+            self.losses.append((lm_loss, aux_loss))
+            self.stats = _add_stats(self.stats, stats)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -102,7 +120,7 @@ class Trainer:
         grad_accum: int,
         config_yaml: str,
         layout: dict[str, Any],
-        resume_from: Path | None = None,
+        resume_from: list[Path] | None = None,
     ) -> None:
         self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
         self.grad_accum, self.config_yaml, self.resume_from = grad_accum, config_yaml, resume_from
@@ -116,21 +134,29 @@ class Trainer:
                 model_vocab_size=config.model.vocab_size,
             )
         model = build_model(config, accelerator)  # seeds first: loading the data may have drawn on a rank
+        faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self.expert_groups = expert_parallel.attach(model, config.distributed.expert_parallel_size, self._deepspeed)
         self.model, self.optimizer = accelerator.prepare(model, self._build_optimizer(model))
 
         self.state = TrainState()
-        accelerator.register_for_checkpointing(self.state, self.data.train)
+        self.nan_guard = NanGuard(config.trainer, accelerator, self.model, self.state, self.run_dir)
         experts = None
         if config.model.moe is not None and not self._deepspeed:
             experts = expert_parallel.ExpertCheckpoint(model, self._base_optimizer(), self.expert_groups)
         elif self.expert_groups is not None:  # ZeRO shards hold the experts; the module needs them back on load
             experts = expert_parallel.DeepSpeedExpertRestore(self.model)
-        self.checkpointer = Checkpointer(self.run_dir, accelerator, config.trainer.keep_last, layout, experts)
-        self.sinks = MetricSinks(self.run_dir, asdict(config), config.logging, accelerator.is_main_process)
+        state = {"trainer": self.state, "data": self.data.train}  # JSON in every checkpoint
+        self.checkpointer = Checkpointer(
+            self.run_dir, accelerator, config.trainer.keep_last, layout, state, experts, config.trainer.save_retries
+        )
+        self._resume(resume_from or [])  # before the sinks open: a resume rewinds metrics.jsonl to its step
+        self.sinks = MetricSinks(
+            self.run_dir, asdict(config), config.logging, accelerator.is_main_process, self.state.step
+        )
         self.alerts = RoutingAlerts(config.logging, accelerator.is_main_process)
         self.preemption = PreemptionWatch(config.preemption, self.run_dir, accelerator)
+        self.liveness = Liveness(accelerator, self.run_dir, config.distributed.timeout_s)
         self.throughput = Throughput(
             flops_per_token=matmul_flops_per_token(config.model, config.data.seq_len).training,
             num_devices=accelerator.num_processes,
@@ -142,7 +168,6 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        self._resume_if_asked()
         self._print_start()
         trainer = self.config.trainer
         end_step = trainer.stop_at or trainer.max_steps
@@ -154,6 +179,7 @@ class Trainer:
                 window.add(*self.train_step(train_batches))
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
+                self.liveness.step_done(self.state.step)  # names this rank's last step if another one waits on it
                 preempted = self.preemption.requested()  # collective: every rank stops after the same step
                 if self.state.step % trainer.log_every == 0 or self.state.step == end_step or preempted:
                     last = self._log(window)
@@ -189,29 +215,47 @@ class Trainer:
             print(message, flush=True)
         return {**last, "preempted": True}
 
-    def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats]]:
-        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm
-        and the MoE layers' raw counts summed over the micro-batches."""
+    def _halt(self, message: str) -> NoReturn:
+        """Stop for a NaN/Inf (nan_guard.py) on every rank together: the CLI prints the message and exits with 4."""
+        self.sinks.close()
+        self.preemption.close()
+        raise NumericalFault(message)
+
+    def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
+        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm, the
+        MoE layers' raw counts summed over the micro-batches, and whether the update was applied (nan_guard.py)."""
         lr = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        lm_losses, aux_losses, stats, grad_norm = [], [], {}, float("nan")
+        lm_losses, aux_losses, stats, grad_norm, inputs, applied = [], [], {}, float("nan"), [], True
+        step = self.state.step + 1  # the step being run, as faults.py counts
         for _ in range(self.grad_accum):
             batch = next(batches)
+            inputs.append(batch["input_ids"])  # kept to find where a NaN began, should one appear
             with self.accelerator.accumulate(self.model):
+                faults.point("forward", step)
                 output = self.model(batch["input_ids"].to(self.accelerator.device))
                 labels = batch["labels"].to(self.accelerator.device)
                 lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
-                self.accelerator.backward(lm_loss + output.aux_loss)
+                faults.point("backward", step)
+                self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss))
                 if self.accelerator.sync_gradients:
                     grad_norm = self._clip_gradients()
-                self.optimizer.step()
+                    applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
+                if applied:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
             lm_losses.append(lm_loss.detach())
             aux_losses.append(output.aux_loss.detach().float())
             stats = _add_stats(stats, _moe_stats(output))
-        update_balancing_biases(self.accelerator.unwrap_model(self.model))
-        return float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean()), grad_norm, stats
+        if applied:
+            update_balancing_biases(self.accelerator.unwrap_model(self.model))
+            self.nan_guard.step_applied()
+        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, list(map(torch.add, lm_losses, aux_losses))):
+            self._halt(halt)
+        faults.point("step_end", step)
+        lm_loss, aux_loss = float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean())
+        return lm_loss, aux_loss, grad_norm, stats, applied
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """AdamW; under DeepSpeed with EP the experts get their own parameter groups (expert_parallel.py)."""
@@ -249,6 +293,8 @@ class Trainer:
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
 
     def save(self) -> Path:
+        if fault := self.nan_guard.nonfinite_weights(self.state.step):  # collective: never checkpoint a NaN
+            self._halt(fault)
         path = self.checkpointer.save(self.state.step, self.config_yaml)
         if self.accelerator.is_main_process:
             log.info("saved checkpoint %s", path)
@@ -256,19 +302,20 @@ class Trainer:
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
 
-    def _resume_if_asked(self) -> None:
-        path = self.resume_from
-        if path is None:
-            return
-        self.checkpointer.load(path)
-        # Accelerate restores its micro-step counter too; checkpoints sit on optimizer-step boundaries, and with
-        # a different world size the accumulation count differs, so the counter must restart at a boundary.
-        self.accelerator.step = 0
-        if self.accelerator.is_main_process:
-            log.info("resumed from %s at step %d", path, self.state.step)
+    def _resume(self, candidates: list[Path]) -> None:
+        """Load the first intact candidate (none: a fresh start), then set aside checkpoints of later steps."""
+        if candidates:
+            path = self.checkpointer.load(candidates)
+            # Accelerate restores its micro-step counter too; checkpoints sit on optimizer-step boundaries, and
+            # with a different world size the accumulation count differs, so it must restart at a boundary.
+            self.accelerator.step = 0
+            if self.accelerator.is_main_process:
+                log.info("resumed from %s at step %d", path, self.state.step)
+        self.checkpointer.set_aside_later_than(self.state.step)
 
     def _log(self, window: LogWindow) -> dict[str, Any]:
-        losses = torch.tensor(window.losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
+        window_losses = window.losses or [(math.nan, math.nan)]  # every step of the window skipped (nan_guard.py)
+        losses = torch.tensor(window_losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
         losses = self.accelerator.reduce(losses, reduction="mean")
         tokens_per_s = window.steps * self.tokens_per_step / window.elapsed()
         record: dict[str, Any] = {
@@ -280,6 +327,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             **self.throughput.record(tokens_per_s),
             "tokens_seen": self.state.tokens_seen,
+            **self.nan_guard.record(),
         }
         record.update(reduce_moe_stats(self.accelerator, window.stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step

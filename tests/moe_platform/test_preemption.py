@@ -3,51 +3,24 @@ complete checkpoint and exit 0; resume=auto continues with no step lost or repea
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 
 from moe_platform.preemption import REQUEST_FILE
-from moe_platform.testing import metric_steps, moe_train, read_metrics, start_moe_train, wait_for_logged_step
+from moe_platform.testing import (
+    assert_stopped_once_and_resumes_exactly,
+    finish,
+    metric_steps,
+    moe_train,
+    start_moe_train,
+    wait_for_logged_step,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 20
 LONG = [f"trainer.max_steps={STEPS}", "trainer.save_final=true"]
-
-
-def worker_pids(launcher: subprocess.Popen) -> dict[int, int]:
-    """{rank: pid} of the training processes a torchrun launcher started."""
-    workers = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        rank = child.environ().get("RANK")
-        if rank is not None and "moe-train" in " ".join(child.cmdline()):
-            workers[int(rank)] = child.pid
-    return workers
-
-
-def finish(process: subprocess.Popen, timeout: float = 180.0) -> int:
-    try:
-        return process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-
-
-def assert_stopped_once_and_resumes_exactly(run_dir: Path, reference: Path, *overrides: str, nproc: int) -> int:
-    """The interrupted run holds one complete checkpoint at the step it stopped; after resume=auto every step is in
-    metrics.jsonl exactly once and the losses equal the uninterrupted run's, bit for bit."""
-    stopped_at = max(metric_steps(run_dir))
-    assert stopped_at < STEPS, "the signal arrived too late to interrupt the run"
-    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
-    assert not (run_dir / REQUEST_FILE).exists(), "the request was cleared"
-    moe_train(run_dir, *LONG, *overrides, "resume=auto", nproc=nproc)
-    assert metric_steps(run_dir) == list(range(1, STEPS + 1))
-    resumed, _ = read_metrics(run_dir)
-    straight, _ = read_metrics(reference)
-    assert [resumed[s]["loss"] for s in range(1, STEPS + 1)] == [straight[s]["loss"] for s in range(1, STEPS + 1)]
-    return stopped_at
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +41,7 @@ def test_a_signal_stops_one_process_after_a_checkpoint_and_resume_is_exact(tmp_p
     assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
     log = (tmp_path / "run.log").read_text()
     assert f"({signum.name}); checkpoint" in log and "continue with resume=auto" in log
-    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["single"], nproc=1)
+    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["single"], *LONG, nproc=1)
 
 
 def test_a_signal_to_one_zero_rank_stops_both_at_the_same_step(tmp_path, uninterrupted) -> None:
@@ -78,7 +51,9 @@ def test_a_signal_to_one_zero_rank_stops_both_at_the_same_step(tmp_path, uninter
     wait_for_logged_step(run_dir, 3, launcher)
     os.kill(worker_pids(launcher)[1], signal.SIGUSR1)
     assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    stopped_at = assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], "distributed=zero2", nproc=2)
+    stopped_at = assert_stopped_once_and_resumes_exactly(
+        run_dir, uninterrupted["zero2"], *LONG, "distributed=zero2", nproc=2
+    )
     shards = run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "pytorch_model"
     for rank in (0, 1):  # each rank saved its own shard of the optimizer state at the same step
         assert (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
@@ -92,7 +67,7 @@ def test_the_request_file_of_the_batch_shell_stops_every_rank(tmp_path, uninterr
     (run_dir / REQUEST_FILE).touch()
     assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert f"({REQUEST_FILE} request)" in (tmp_path / "run.log").read_text()
-    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], "distributed=zero2", nproc=2)
+    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], *LONG, "distributed=zero2", nproc=2)
 
 
 def test_past_the_last_allowed_requeue_the_job_stops_with_a_message(tmp_path) -> None:

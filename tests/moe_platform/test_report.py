@@ -121,9 +121,19 @@ def test_report_of_a_two_rank_run_still_going(two_rank_then_resumed, tmp_path: P
     assert steps_of(figures(tmp_path)["fig-loss"]) == [1, 2, 3, 4]
 
 
-def test_report_of_a_resumed_run_has_each_step_once_with_its_last_record(two_rank_then_resumed) -> None:
-    run_dir, _ = two_rank_then_resumed
-    assert metric_steps(run_dir) == [1, 2, 3, 4, 3, 4, 5, 6], "the resume logged steps 3 and 4 again"
+def test_report_of_a_resumed_run_has_each_step_once_with_its_last_record(two_rank_then_resumed, tmp_path) -> None:
+    resumed, _ = two_rank_then_resumed
+    assert metric_steps(resumed) == list(range(1, 7)), "the resume superseded the killed job's steps 3 and 4"
+    superseded = (resumed / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded if "loss" in json.loads(line)] == [3, 4]
+    # A run dir whose metrics.jsonl repeats steps (written before resumes superseded records, or appended to by
+    # hand): the report keeps each step's last record.
+    run_dir = tmp_path
+    shutil.copy(resumed / "config.yaml", run_dir / "config.yaml")
+    current = (resumed / "metrics.jsonl").read_text().splitlines()
+    early = [line for line in current if json.loads(line)["step"] <= 2]
+    (run_dir / "metrics.jsonl").write_text("\n".join([*early, *superseded, *current[len(early) :]]) + "\n")
+    assert metric_steps(run_dir) == [1, 2, 3, 4, 3, 4, 5, 6]
     last_loss = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)

@@ -1,0 +1,126 @@
+"""Chaos: a 2-rank DDP run on CPU is SIGKILLed again and again, at points drawn at random (inside the forward, the
+backward, between steps, inside a checkpoint write, between a checkpoint's rename and the `latest` pointer, or at a
+random moment from outside), and resumed with resume=auto after each kill. It must end exactly where an
+uninterrupted run ends: every step once in metrics.jsonl, each loss and the final weights bit-identical (fp32)."""
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint, step_dirname, step_of
+from moe_platform.testing import (
+    finish,
+    metric_steps,
+    moe_train,
+    read_metrics,
+    start_moe_train,
+    wait_for_logged_step,
+    worker_pids,
+)
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE_EVERY, KILLS = 12, 2, 10
+RUN = [
+    "distributed=ddp",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.save_every={SAVE_EVERY}",
+    "trainer.keep_last=2",
+    "trainer.save_final=true",
+    "resume=auto",
+]
+# Where faults.py can kill a rank; the checkpoint's rename and pointer happen on rank 0 only.
+IN_STEP = ("forward", "backward", "step_end")
+IN_SAVE = ("checkpoint_write", "checkpoint_rename", "checkpoint_pointer")
+OUTSIDE = "sigkill from outside"
+
+
+def resumable_step(run_dir: Path) -> int:
+    checkpoint = latest_checkpoint(run_dir)
+    return step_of(checkpoint) if checkpoint else 0
+
+
+def draw_kill(rng: random.Random, after: int, must: str | None) -> tuple[str, int, int]:
+    """(point, step, rank) of the next kill: a step this launch will reach (after the checkpoint it resumes from);
+    a checkpoint point only at a step that saves, before the last step's save so the chain can still end."""
+    point = must or rng.choice([*IN_STEP, *IN_SAVE])
+    saving_steps = [s for s in range(after + 1, STEPS) if s % SAVE_EVERY == 0]
+    if point in IN_SAVE and not saving_steps:
+        point = rng.choice(IN_STEP)
+    # one of the next two saves: a kill after the rename makes that checkpoint the resume point, so a late one
+    # would leave no save ahead for the kills still to come
+    step = rng.choice(saving_steps[:2]) if point in IN_SAVE else rng.randint(after + 1, STEPS)
+    rank = 0 if point in ("checkpoint_rename", "checkpoint_pointer") else rng.randint(0, 1)
+    return point, step, rank
+
+
+def kill_from_outside(run_dir: Path, rng: random.Random, after: int, rank: int) -> int:
+    """Start the run, wait until it has logged a step past its resume point, then SIGKILL one rank a random moment
+    later. Returns the launcher's exit code."""
+    process = start_moe_train(run_dir, *RUN, nproc=2)
+    try:
+        wait_for_logged_step(run_dir, after + 1, process, timeout=120)
+        time.sleep(rng.uniform(0.0, 0.3))
+        workers = worker_pids(process)
+        if process.poll() is None and rank in workers:
+            os.kill(workers[rank], signal.SIGKILL)
+    finally:
+        code = finish(process, timeout=120)
+    return code
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    moe_train(run_dir, *RUN, nproc=2)
+    return run_dir
+
+
+def test_sigkill_at_random_points_then_resume_ends_bit_identical(tmp_path: Path, uninterrupted: Path) -> None:
+    rng = random.Random(20261130)
+    run_dir = tmp_path / "chaos"
+    # The first kills cover every kind of point once: from outside first (a moment picked at random lands inside
+    # the run only while most of it is still ahead), then inside a save (a saving step must be ahead); the rest are
+    # drawn freely.
+    must = [OUTSIDE, *rng.sample(IN_SAVE, k=len(IN_SAVE)), *rng.sample(IN_STEP, k=len(IN_STEP))]
+    log = []
+    for kill in range(KILLS):
+        after = resumable_step(run_dir)
+        point, step, rank = draw_kill(rng, after, must[kill] if kill < len(must) else None)
+        if point == OUTSIDE:
+            code = kill_from_outside(run_dir, rng, after, rank)
+            output = ""
+        else:
+            fault = {"MOE_FAULTS": f"kill@{point}:step={step}:rank={rank}"}
+            result = moe_train(run_dir, *RUN, nproc=2, env=fault, check=False, timeout=180)
+            code, output = result.returncode, result.stdout + result.stderr
+            assert code != 0 and "Signal 9 (SIGKILL)" in output, f"kill {kill} ({point} at step {step}) missed"
+        log.append((point, step, rank, after, resumable_step(run_dir), code))
+        if point == "checkpoint_pointer":
+            # killed after the rename, before the pointer: the checkpoint is complete and the next job takes it
+            assert resumable_step(run_dir) == step
+            pointer = run_dir / "checkpoints" / "latest"
+            assert not pointer.exists() or pointer.read_text() != step_dirname(step)
+        if point in ("checkpoint_write", "checkpoint_rename"):
+            assert resumable_step(run_dir) < step, "a checkpoint cut short must not count as complete"
+    resumable = resumable_step(run_dir)
+    final = moe_train(run_dir, *RUN, nproc=2, timeout=180)
+    if resumable:
+        assert f"at step {resumable}" in final.stdout + final.stderr
+
+    kills = sum(1 for entry in log if entry[5] != 0)
+    assert kills >= 10, log
+    assert {entry[0] for entry in log} == {*IN_STEP, *IN_SAVE, OUTSIDE}, log
+    # Every step once, each loss as in the uninterrupted run, bit for bit, and the same final weights.
+    assert metric_steps(run_dir) == list(range(1, STEPS + 1)), log
+    ours, _ = read_metrics(run_dir)
+    theirs, _ = read_metrics(uninterrupted)
+    assert [ours[s]["loss"] for s in range(1, STEPS + 1)] == [theirs[s]["loss"] for s in range(1, STEPS + 1)], log
+    a = export_fp32_state_dict(run_dir / "checkpoints" / step_dirname(STEPS))
+    b = export_fp32_state_dict(uninterrupted / "checkpoints" / step_dirname(STEPS))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    print("kills (point, step, rank, resumable before, after, exit):", *log, sep="\n  ")
