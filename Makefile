@@ -20,10 +20,11 @@ install: $(VENV)/.installed
 train: install
 	$(VENV)/bin/moe-train $(ARGS)
 
-## The whole test suite (what CI runs).
+## The whole test suite (what CI runs). Two workers, each taking whole files (--dist loadfile keeps a module's
+## fixtures in one process): many tests wait on process start-up, barriers and timeouts rather than compute.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .

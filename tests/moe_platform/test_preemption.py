@@ -32,14 +32,16 @@ def uninterrupted(tmp_path_factory) -> dict[str, Path]:
     return runs
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # SIGUSR1: the ZeRO test below sends it
 def test_a_signal_stops_one_process_after_a_checkpoint_and_resume_is_exact(tmp_path, uninterrupted, signum) -> None:
+    """SIGTERM (preempted, cancelled) and SIGINT (Ctrl-C on a local run) alike: a checkpoint at the next step."""
     run_dir = tmp_path / "run"
     process = start_moe_train(run_dir, *LONG)
     wait_for_logged_step(run_dir, 3, process)
     process.send_signal(signum)
     assert finish(process) == 0, (tmp_path / "run.log").read_text()[-3000:]
     log = (tmp_path / "run.log").read_text()
+    assert f"{signum.name}: stopping after this step with a checkpoint (send {signum.name} again" in log
     assert f"({signum.name}); checkpoint" in log and "continue with resume=auto" in log
     assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["single"], *LONG, nproc=1)
 

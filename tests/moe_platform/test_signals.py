@@ -1,6 +1,6 @@
-"""Signals and failed ranks on real runs: Ctrl-C stops after a checkpoint with exit 0 and resume=auto continues
-exactly; a second Ctrl-C stops at once and leaves nothing that looks complete; a rank that hangs or dies makes the
-other one exit within distributed.timeout_s, naming it (preemption.py, liveness.py)."""
+"""Signals and failed ranks on real runs: a second Ctrl-C stops at once and leaves nothing that looks complete (the
+first one checkpoints and resumes exactly: test_preemption.py); a rank that hangs or dies makes the other one exit
+within distributed.timeout_s, naming it (preemption.py, liveness.py)."""
 
 import os
 import re
@@ -16,7 +16,6 @@ import pytest
 from moe_platform.checkpoint import CHECKPOINT_DIRNAME, LATEST, complete_checkpoints, is_complete, latest_checkpoint
 from moe_platform.liveness import EXIT_CODE, REPORT_GRACE_S
 from moe_platform.testing import (
-    assert_stopped_once_and_resumes_exactly,
     finish,
     metric_steps,
     start_moe_train,
@@ -47,20 +46,6 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def test_ctrl_c_stops_after_a_checkpoint_and_resume_is_exact(tmp_path) -> None:
-    reference = start_moe_train(tmp_path / "reference", *LONG)  # beside the interrupted run: two cores
-    run_dir = tmp_path / "run"
-    process = start_moe_train(run_dir, *LONG)
-    wait_for_logged_step(run_dir, 3, process)
-    process.send_signal(signal.SIGINT)
-    assert finish(process, timeout=60) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    log = (tmp_path / "run.log").read_text()
-    assert "SIGINT: stopping after this step with a checkpoint" in log
-    assert "(SIGINT); checkpoint" in log and "continue with resume=auto" in log
-    assert finish(reference, timeout=120) == 0
-    assert_stopped_once_and_resumes_exactly(run_dir, tmp_path / "reference", *LONG, nproc=1)
 
 
 def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_complete(tmp_path) -> None:
