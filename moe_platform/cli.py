@@ -43,6 +43,7 @@ from moe_platform.checkpoint import (
     sharding_layout,
 )
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
+from moe_platform.init_from import adopt_source_model
 from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
 from moe_platform.nan_guard import NumericalFault
 from moe_platform.preemption import RequeueLimitReached
@@ -83,6 +84,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hydra_config.output_subdir is not None:  # rank 0: Hydra has already recorded the overrides, secrets included
         scrub_hydra_dir(Path(hydra_config.runtime.output_dir) / hydra_config.output_subdir, secret_values(cfg))
     config = to_train_config(cfg)
+    if config.init.from_path is not None and adopt_source_model(cfg, list(hydra_config.overrides.task)):
+        config = to_train_config(cfg)  # model.* read from init.from_path's own config
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
     check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))

@@ -249,6 +249,29 @@ class TrainerConfig:
 
 
 @dataclass
+class InitConfig:
+    """Where a fresh run's weights come from (model_build.py, init_from.py); a resumed run takes its checkpoint's.
+
+    from_path: null (random init), one of our checkpoint dirs (checkpoints/step_XXXXXXXX, or a run dir: its latest
+    complete one), a `moe-export` .pt file, or a Hugging Face model dir. Its model config must agree with
+    `model.*`; with upcycle=true the source is dense and only the FFN may differ (see upcycle.py).
+    """
+
+    from_path: Optional[str] = None
+    upcycle: bool = False  # each MoE layer's experts start as copies of the dense source's FFN of that layer
+
+    def __post_init__(self) -> None:
+        _require(
+            self.from_path is None or bool(self.from_path),
+            "init.from_path is empty: give a checkpoint, .pt or Hugging Face directory, or null for a random init",
+        )
+        _require(
+            not self.upcycle or self.from_path is not None,
+            "init.upcycle=true needs a dense model to upcycle: set init.from_path to its checkpoint",
+        )
+
+
+@dataclass
 class TrainConfig:
     # MISSING, not a default instance: ModelConfig.__post_init__ resolves head_dim/n_kv_heads, and a resolved
     # default would leak into every model YAML that leaves them unset. The model/ group always supplies it.
@@ -259,6 +282,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     resume: str = "none"  # "none", "auto" (latest complete checkpoint in the run dir, if any), or a path
 
     def __post_init__(self) -> None:
@@ -281,6 +305,11 @@ class TrainConfig:
             or self.trainer.precision == "bf16",
             "distributed.zero_stage=0 with trainer.precision=fp32 steps DeepSpeed's plain optimizer without checking "
             "the gradients, so a NaN would reach the weights (nan_guard.py): use distributed=zero1 or ddp",
+        )
+        _require(
+            not self.init.upcycle or self.model.moe is not None,
+            "init.upcycle=true turns dense FFNs into experts but model.moe is null: pick an MoE model, e.g. "
+            "model=moe_tiny",
         )
         self._check_expert_parallel()
 

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from moe import Transformer
 from moe_platform.config import TrainConfig
 from moe_platform.distributed import register_moe_leaf_modules
+from moe_platform.init_from import initial_state_dict, load_initial_weights
 from moe_platform.seeding import seed_initial_weights, seed_noise_streams
 
 
@@ -32,13 +33,17 @@ def builds_partitioned(config: TrainConfig) -> bool:
 def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
     """The seeded model for `accelerator.prepare`: the same initial weights on every rank (and under every
     strategy), then this rank's own noise stream. Under ZeRO-3 the parameters come back already partitioned
-    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf."""
+    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. With `init.from_path` the
+    weights are then replaced by the source's (or its upcycled ones), whole, before expert parallelism slices them."""
+    initial_state = initial_state_dict(config)  # first: a bad source fails before any collective
     seed_initial_weights(config.trainer.seed)
     if builds_partitioned(config):
-        model = _build_partitioned(config, accelerator)
+        model = _build_partitioned(config, accelerator, initial_state)
         register_moe_leaf_modules(model)
     else:
         model = Transformer(config.model)
+        if initial_state is not None:
+            load_initial_weights(model, initial_state, partitioned=False)
     seed_noise_streams(config.trainer.seed, accelerator.process_index)
     return model
 
@@ -49,7 +54,9 @@ def full_shape(p: torch.nn.Parameter) -> torch.Size:
     return getattr(p, "ds_shape", p.shape)
 
 
-def _build_partitioned(config: TrainConfig, accelerator: Accelerator) -> Transformer:
+def _build_partitioned(
+    config: TrainConfig, accelerator: Accelerator, initial_state: dict[str, torch.Tensor] | None
+) -> Transformer:
     import deepspeed
 
     # The DeepSpeed config Accelerate will hand to the engine (partition group, offload device, ...).
@@ -61,6 +68,8 @@ def _build_partitioned(config: TrainConfig, accelerator: Accelerator) -> Transfo
     built = {p.ds_tensor.dtype for p in model.parameters()}
     if built != {torch.float32}:
         raise RuntimeError(f"deepspeed.zero.Init built the parameters in {built}, not fp32 as asked")
+    if initial_state is not None:  # in fp32, before the shards are rounded, as a plain build loads then rounds
+        load_initial_weights(model, initial_state, partitioned=True)
     if config.trainer.precision == "bf16":
         _round_shards(model, torch.bfloat16)
     return model

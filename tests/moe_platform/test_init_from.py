@@ -1,0 +1,177 @@
+"""`init.from_path` / `init.upcycle`: a run starts from a checkpoint's weights exactly, under every strategy."""
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_pipeline import build_loaders
+from moe import ModelConfig, Transformer
+from moe.moe_config import MoEConfig
+from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
+from moe_platform.config import ConfigError, InitConfig, TrainConfig, load_run_config
+from moe_platform.init_from import initial_state_dict
+from moe_platform.testing import BIN, FAST, moe_train, read_metrics, subprocess_env
+
+# moe_tiny with experts as wide as dense_tiny's FFN: the exact upcycling case (upcycle.py), dropless by default.
+UPCYCLE = ["model=moe_tiny", "model.moe.expert_d_ff=256", "init.upcycle=true"]
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("dense")
+    moe_train(run_dir, "model=dense_tiny", "trainer.save_final=true")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def source_loss(dense_run) -> float:
+    return first_batch_loss(dense_run)
+
+
+def first_batch_loss(run_dir: Path) -> float:
+    """The run's saved model's LM loss on the first global batch a fresh run with its data config trains on."""
+    checkpoint = latest_checkpoint(run_dir)
+    config = load_run_config(checkpoint / "config.yaml")
+    model = Transformer(config.model)
+    model.load_state_dict(export_fp32_state_dict(checkpoint), strict=True)
+    micro = config.trainer.micro_batch_size
+    batches = iter(build_loaders(config.data, 0, 1, micro, model_vocab_size=config.model.vocab_size).train)
+    with torch.no_grad():
+        losses = []
+        for _ in range(config.data.global_batch_size // micro):
+            batch = next(batches)
+            logits = model(batch["input_ids"]).logits
+            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    return float(torch.stack(losses).mean())
+
+
+def _losses(run_dir: Path) -> list[float]:
+    train, _ = read_metrics(run_dir)
+    return [train[step]["loss"] for step in sorted(train)]
+
+
+def test_init_from_a_checkpoint_starts_at_its_loss(dense_run, source_loss, tmp_path):
+    moe_train(tmp_path, "model=dense_tiny", f"init.from_path={dense_run}", "trainer.max_steps=1")
+    assert _losses(tmp_path)[0] == pytest.approx(source_loss, rel=1e-6)
+
+
+def test_upcycled_run_starts_at_the_dense_loss_and_trains(dense_run, source_loss, tmp_path):
+    moe_train(tmp_path, *UPCYCLE, f"init.from_path={dense_run}", "trainer.max_steps=20")
+    losses = _losses(tmp_path)
+    assert len(losses) == 20
+    assert losses[0] == pytest.approx(source_loss, rel=1e-6)  # step 1's loss is taken before its update
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=dense_tiny", "distributed=ddp"],
+        ["model=dense_tiny", "distributed=zero3"],
+        [*UPCYCLE, "distributed=zero3"],
+        [*UPCYCLE, "distributed=ddp", "distributed.expert_parallel_size=2"],
+    ],
+    ids=["ddp", "zero3", "upcycle_zero3", "upcycle_ep2"],
+)
+def test_init_from_under_two_ranks_starts_at_the_source_loss(dense_run, source_loss, tmp_path, overrides):
+    moe_train(tmp_path, *overrides, f"init.from_path={dense_run}", "trainer.max_steps=2", nproc=2)
+    assert _losses(tmp_path)[0] == pytest.approx(source_loss, rel=1e-6)
+
+
+def _moe_train_without_model_choice(run_dir: Path, *overrides: str):
+    """moe-train with testing.FAST's settings but no `model=...`, so that init.from_path supplies the model."""
+    args = [a for a in FAST if not a.startswith("model=")] + [*overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(
+        [str(BIN / "moe-train"), *args], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+
+
+def test_the_model_config_is_read_from_the_source(dense_run, source_loss, tmp_path):
+    result = _moe_train_without_model_choice(
+        tmp_path / "adopted", f"init.from_path={dense_run}", "model.dropout=0.0", "trainer.max_steps=1"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(tmp_path / "adopted")[0] == pytest.approx(source_loss, rel=1e-6)
+    model = load_run_config(tmp_path / "adopted" / "config.yaml").model
+    assert (model.moe, model.d_ff) == (None, 256)  # dense_tiny's, not the default model=moe_tiny
+    upcycled = _moe_train_without_model_choice(
+        tmp_path / "upcycled", f"init.from_path={dense_run}", "init.upcycle=true", "model.moe.expert_d_ff=256",
+        "trainer.max_steps=1",
+    )  # fmt: skip
+    assert upcycled.returncode == 0, upcycled.stderr[-3000:]
+    assert _losses(tmp_path / "upcycled")[0] == pytest.approx(source_loss, rel=1e-6)
+    assert load_run_config(tmp_path / "upcycled" / "config.yaml").model.moe.num_experts == 4  # the default model's
+    refused = _moe_train_without_model_choice(tmp_path / "refused", f"init.from_path={dense_run}", "model.d_ff=128")
+    assert refused.returncode != 0
+    assert "config error: model.d_ff=128 contradicts 256 in init.from_path's config" in refused.stderr
+
+
+@pytest.mark.slow
+def test_an_moe_checkpoint_of_zero2_with_expert_parallelism_starts_a_single_process_run(tmp_path):
+    moe_train(
+        tmp_path / "moe", "trainer.save_final=true", "distributed=zero2", "distributed.expert_parallel_size=2", nproc=2
+    )
+    moe_train(tmp_path / "single", f"init.from_path={tmp_path / 'moe'}", "trainer.max_steps=1")
+    assert _losses(tmp_path / "single")[0] == pytest.approx(first_batch_loss(tmp_path / "moe"), rel=1e-6)
+
+
+def _config(model: ModelConfig, from_path: Path, upcycle: bool = False) -> TrainConfig:
+    return TrainConfig(model=model, init=InitConfig(from_path=str(from_path), upcycle=upcycle))
+
+
+def test_a_contradicting_model_override_is_refused_naming_the_key(dense_run):
+    saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
+    for change, key in (({"d_ff": 128}, "model.d_ff=128"), ({"n_kv_heads": 4}, "model.n_kv_heads=4")):
+        with pytest.raises(ConfigError, match=f"{key} contradicts") as err:
+            initial_state_dict(_config(dataclasses.replace(saved, **change), dense_run))
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"add init.upcycle=true"):
+        initial_state_dict(_config(dataclasses.replace(saved, moe=MoEConfig(4, 2, 256)), dense_run))
+    # dropout and init_std shape no weight: a run may change them
+    assert initial_state_dict(_config(dataclasses.replace(saved, dropout=0.1), dense_run)) is not None
+
+
+def test_a_hugging_face_dir_loads_exactly_and_upcycles(dense_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from moe_platform.hf_convert import to_hf
+
+    saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
+    state = export_fp32_state_dict(latest_checkpoint(dense_run))
+    hf_config, hf_state = to_hf(saved, state)
+    llama = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    llama.load_state_dict(hf_state, strict=True)
+    llama.save_pretrained(tmp_path / "hf")
+    loaded = initial_state_dict(_config(saved, tmp_path / "hf"))
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+    moe_tiny = dataclasses.replace(saved, moe=MoEConfig(num_experts=4, top_k=2, expert_d_ff=256))
+    Transformer(moe_tiny).load_state_dict(initial_state_dict(_config(moe_tiny, tmp_path / "hf", upcycle=True)))
+
+
+def test_an_exported_pt_loads_and_upcycles(dense_run, tmp_path):
+    saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
+    state = export_fp32_state_dict(latest_checkpoint(dense_run))
+    torch.save(state, tmp_path / "dense.pt")
+    loaded = initial_state_dict(_config(saved, tmp_path / "dense.pt"))
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+    moe_tiny = dataclasses.replace(saved, moe=MoEConfig(num_experts=4, top_k=2, expert_d_ff=256))
+    upcycled = initial_state_dict(_config(moe_tiny, tmp_path / "dense.pt", upcycle=True))
+    Transformer(moe_tiny).load_state_dict(upcycled, strict=True)
+
+
+def test_upcycle_needs_a_source_and_an_moe_model():
+    dense = ModelConfig()
+    with pytest.raises(ConfigError, match=r"init.upcycle=true needs a dense model to upcycle"):
+        InitConfig(upcycle=True)
+    with pytest.raises(ConfigError, match=r"init.upcycle=true turns dense FFNs into experts but model.moe is null"):
+        _config(dense, Path("x"), upcycle=True)
+
+
+def test_a_missing_source_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        initial_state_dict(_config(ModelConfig(), tmp_path / "nope"))
