@@ -74,11 +74,13 @@ def test_moe_submit_validates_renders_and_submits(slurm, tmp_path) -> None:
 
 
 def test_moe_submit_refuses_a_bad_config_before_anything_reaches_the_queue(slurm, tmp_path) -> None:
-    def jobs_known() -> set[str]:
-        listed = slurm.run("sacct", "-a", "-X", "-n", "-P", "--format=JobID", "--starttime=now-1days").stdout
-        return set(listed.split())
+    def jobs_from_here() -> set[str]:
+        """Jobs whose working directory lies under this test's tmp_path: the other slurm tests (running beside this
+        one under pytest-xdist) submit theirs from elsewhere."""
+        listed = slurm.run("sacct", "-a", "-X", "-n", "-P", "--format=JobID,WorkDir", "--starttime=now-1days").stdout
+        rows = [line.split("|", 1) for line in listed.splitlines() if "|" in line]
+        return {job for job, workdir in rows if workdir.startswith(str(tmp_path))}
 
-    before = jobs_known()
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [str(BIN / "moe-submit"), "--nodes=2", "--", "model.n_kv_heads=3", f"hydra.run.dir={run_dir}"],
@@ -87,7 +89,7 @@ def test_moe_submit_refuses_a_bad_config_before_anything_reaches_the_queue(slurm
     assert result.returncode == 2
     assert "config error: model.n_heads=4 is not a multiple of model.n_kv_heads=3" in result.stderr
     assert "nothing was submitted" in result.stderr and "Traceback" not in result.stderr
-    assert not run_dir.exists() and jobs_known() == before
+    assert not run_dir.exists() and jobs_from_here() == set()
 
 
 def test_hydra_submitit_launcher_runs_a_sweep_as_slurm_jobs(slurm, tmp_path) -> None:
