@@ -96,9 +96,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         print("\n".join(f"checkpoint passed over: {line}" for line in passed_over), file=sys.stderr, flush=True)
     distributed = config.distributed
     layout = sharding_layout(distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size)
+    load_universal = False
     if candidates:  # a checkpoint of another strategy or ZeRO stage is refused before any process group
-        check_layout(candidates[0], read_layout(candidates[0]), layout)
-    load_universal = bool(candidates) and needs_universal_load(read_layout(candidates[0]), layout)
+        saved = read_layout(candidates[0])
+        check_layout(candidates[0], saved, layout)
+        load_universal = needs_universal_load(saved, layout)
     accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:
         run_dir = agree_on_run_dir(accelerator, own_dir)
