@@ -42,6 +42,7 @@ class DispatchPlan(NamedTuple):
     assignment_ids_A: torch.Tensor  # int64 flat index n·K + k of each kept assignment (inverse of slot_NK)
     tokens_per_expert_before_E: torch.Tensor  # int64 assignments routed to each expert, before capacity
     tokens_per_expert_after_E: torch.Tensor  # int64 assignments each expert computes (= slice lengths)
+    tokens_per_expert_after: list[int]  # the same on the host: the plan's one device-to-host read
 
 
 @torch.no_grad()
@@ -56,31 +57,39 @@ def plan_dispatch(
     """Sort assignments by expert; with a capacity keep each expert's first C by priority, drop the rest.
 
     Priority within an expert: "position" keeps the earliest tokens of the flattened micro-batch (Switch,
-    Megatron); "probs" keeps the assignments with the largest gates (ties: earlier token first).
+    Megatron); "probs" keeps the assignments with the largest gates (ties: earlier token first); "choice" keeps
+    every token's k-th choice before any token's (k+1)-th, earlier tokens first within a choice (GShard's top-2,
+    DeepSpeed's top2gating).
     """
     num_tokens, top_k = topk_ids_NK.shape
     expert_ids_A = topk_ids_NK.reshape(-1)  # assignment a = n·K + k
     if capacity is not None and drop_policy == "probs":
         by_gate_A = torch.argsort(gates_NK.reshape(-1), descending=True, stable=True)
         order_A = by_gate_A[torch.argsort(expert_ids_A[by_gate_A], stable=True)]
+    elif capacity is not None and drop_policy == "choice":
+        by_choice_J = torch.argsort(topk_ids_NK.t().reshape(-1), stable=True)  # j = k·N + n, grouped by expert
+        order_A = (by_choice_J % num_tokens) * top_k + by_choice_J.div(num_tokens, rounding_mode="floor")
     elif capacity is None or drop_policy == "position":
         order_A = torch.argsort(expert_ids_A, stable=True)  # stable: token order within an expert
     else:
-        raise ValueError(f"drop_policy={drop_policy!r} is not supported: use 'position' or 'probs'")
+        raise ValueError(f"drop_policy={drop_policy!r} is not supported: use 'position', 'probs' or 'choice'")
 
-    before_E = torch.bincount(expert_ids_A, minlength=num_experts)
-    after_E = before_E
+    # A histogram by index_add, not bincount: on CUDA bincount reads its input's max to the host first.
+    before_E = expert_ids_A.new_zeros(num_experts).index_add_(0, expert_ids_A, torch.ones_like(expert_ids_A))
+    after_E = before_E if capacity is None else before_E.clamp(max=capacity)
+    # The one device-to-host read of the layer: the experts' split sizes (and so the number of kept rows) must be
+    # Python ints. Everything else stays on the device (no boolean-mask indexing, no bincount, no .item()).
+    after = after_E.tolist()
+    num_kept = sum(after)
     if capacity is not None:
         start_E = torch.cumsum(before_E, dim=0) - before_E
         rank_A = torch.arange(order_A.numel(), device=order_A.device) - start_E[expert_ids_A[order_A]]
-        order_A = order_A[rank_A < capacity]
-        after_E = before_E.clamp(max=capacity)
+        order_A = order_A[torch.nonzero_static(rank_A < capacity, size=num_kept).squeeze(1)]
 
-    num_kept = order_A.numel()
     slot_flat = torch.full((num_tokens * top_k,), num_kept, dtype=torch.long, device=order_A.device)
     slot_flat[order_A] = torch.arange(num_kept, device=order_A.device)
     token_ids_A = order_A.div(top_k, rounding_mode="floor")
-    return DispatchPlan(token_ids_A, slot_flat.view(num_tokens, top_k), order_A, before_E, after_E)
+    return DispatchPlan(token_ids_A, slot_flat.view(num_tokens, top_k), order_A, before_E, after_E, after)
 
 
 def dispatch(x_ND: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:

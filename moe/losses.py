@@ -46,17 +46,25 @@ def load_balancing_loss(
     """
     num_tokens, num_experts = probs_NE.shape
     top_k = topk_ids_NK.shape[1]
-    if group_ids_N is None:
-        group_ids_N = torch.zeros(num_tokens, dtype=torch.long, device=probs_NE.device)
+    if group_ids_N is None:  # one group: the same formula without the per-group scatter and gathers
+        with torch.no_grad():
+            counts_E = _histogram(topk_ids_NK.reshape(-1), num_experts).to(probs_NE.dtype)
+        scale = num_experts / (top_k * max(num_tokens, 1) ** 2)
+        return coef * scale * (probs_NE.sum(dim=0) * counts_E).sum()
     prob_mass_GE = probs_NE.new_zeros(num_groups, num_experts).index_add(0, group_ids_N, probs_NE)
-    with torch.no_grad():
+    with torch.no_grad():  # histograms by index_add, counts kept on the device: nothing here reads to the host
         flat_GE = group_ids_N.repeat_interleave(top_k) * num_experts + topk_ids_NK.reshape(-1)
-        counts_GE = torch.bincount(flat_GE, minlength=num_groups * num_experts).view(num_groups, num_experts)
-        tokens_G = torch.bincount(group_ids_N, minlength=num_groups)
+        counts_GE = _histogram(flat_GE, num_groups * num_experts).view(num_groups, num_experts)
+        tokens_G = _histogram(group_ids_N, num_groups)
         scale_G = num_experts / (top_k * tokens_G.clamp(min=1).to(probs_NE.dtype) ** 2)
-        num_nonempty = int((tokens_G > 0).sum())
+        num_nonempty = (tokens_G > 0).sum().clamp(min=1)
     per_group_G = scale_G * (prob_mass_GE * counts_GE.to(probs_NE.dtype)).sum(dim=-1)  # empty groups give 0
-    return coef * per_group_G.sum() / max(num_nonempty, 1)
+    return coef * per_group_G.sum() / num_nonempty
+
+
+def _histogram(ids_I: torch.Tensor, size: int) -> torch.Tensor:
+    """bincount(ids, minlength=size) for ids < size, without bincount's read of max(ids) to the host on CUDA."""
+    return ids_I.new_zeros(size).index_add_(0, ids_I, torch.ones_like(ids_I))
 
 
 def global_load_balancing_loss(
@@ -72,18 +80,17 @@ def global_load_balancing_loss(
     with torch.no_grad():
         counts_and_tokens = torch.cat(
             [
-                torch.bincount(topk_ids_NK.reshape(-1), minlength=num_experts),
-                torch.tensor([num_tokens], device=probs_NE.device),
+                _histogram(topk_ids_NK.reshape(-1), num_experts),
+                torch.full((1,), num_tokens, dtype=topk_ids_NK.dtype, device=probs_NE.device),
             ]
         )
         dist.all_reduce(counts_and_tokens, group=group)
         counts_E = counts_and_tokens[:num_experts].to(probs_NE.dtype)
-        total_tokens = int(counts_and_tokens[num_experts])
+        # Kept on the device (no host read); with no tokens anywhere every count is 0, so the loss is 0.
+        total_tokens = counts_and_tokens[num_experts].clamp(min=1).to(probs_NE.dtype)
         world = dist.get_world_size(group)
-    if total_tokens == 0:
-        return probs_NE.sum() * 0.0
     prob_mass_E = probs_NE.sum(dim=0)
-    return world * coef * num_experts / (top_k * total_tokens**2) * (prob_mass_E * counts_E).sum()
+    return world * coef * num_experts / top_k * (prob_mass_E * counts_E).sum() / total_tokens**2
 
 
 def router_z_loss(logits_NE: torch.Tensor, *, coef: float) -> torch.Tensor:

@@ -15,7 +15,8 @@ from moe.errors import ModelConfigError
 from moe.ffn import ACTIVATIONS, ffn_matmul_flops_per_token, ffn_num_params
 
 SCORE_FNS = ("softmax", "sigmoid")
-DROP_POLICIES = ("position", "probs")
+DROP_POLICIES = ("position", "probs", "choice")
+EXPERTS_IMPLS = ("auto", "grouped_mm", "loop")
 AUX_LOSS_SCOPES = ("micro_batch", "sequence", "global")
 
 
@@ -80,13 +81,18 @@ class MoEConfig:
     capacity_factor: float | None = None
     eval_capacity_factor: float | None = None
     min_capacity: int = 4
-    drop_policy: str = "position"  # which assignments overflow: later tokens ("position") or lowest gates ("probs")
+    # Which assignments overflow: later tokens ("position"), lowest gates ("probs"), or every token's 2nd..K-th
+    # choice before any token's 1st, then later tokens ("choice", GShard's and DeepSpeed's top-2 order).
+    drop_policy: str = "position"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     # Over which tokens the balancing loss counts load: this rank's micro-batch; each sequence (averaged); or
     # "global": the same micro-batch of every data-parallel rank pooled (see losses.global_load_balancing_loss).
     aux_loss_scope: str = "micro_batch"
     router: RouterConfig = field(default_factory=RouterConfig)
+    # How the experts' matmuls run: one grouped_mm per projection ("grouped_mm"), a loop of E matmuls ("loop"), or
+    # grouped_mm wherever it can run and the loop elsewhere ("auto"); see moe/experts.py. Results are equal.
+    experts_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.router, dict):  # e.g. MoEConfig(**yaml_dict); Hydra itself passes a RouterConfig
@@ -119,6 +125,10 @@ class MoEConfig:
             raise ModelConfigError(f"moe.min_capacity={self.min_capacity} is negative: use 0 for no floor")
         if self.drop_policy not in DROP_POLICIES:
             raise ModelConfigError(f"moe.drop_policy={self.drop_policy!r} is not supported: use one of {DROP_POLICIES}")
+        if self.experts_impl not in EXPERTS_IMPLS:
+            raise ModelConfigError(
+                f"moe.experts_impl={self.experts_impl!r} is not supported: use one of {EXPERTS_IMPLS}"
+            )
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ModelConfigError(f"moe.{name}={getattr(self, name)} is negative: use 0 to disable the loss")

@@ -17,6 +17,13 @@ Gradient accumulation and data parallelism (how the numbers stay right per optim
     step; it uses the counts of every training forward since the previous call (summed over ranks).
   * Eval forwards (module.eval()) return their own stats but never touch the bias or its counts; they use
     `eval_capacity_factor` and no jitter.
+
+Host syncs: the forward reads device data to the host once, the experts' split sizes
+(`plan_dispatch` reads tokens_per_expert_after_E, E ints; the number of kept rows follows from them). Routing,
+capacity, losses and statistics stay on the device (histograms by index_add, not bincount; no .item(), no
+boolean-mask indexing), so on a GPU the host never waits for the router. Two documented exceptions: a
+`token_mask_BT` costs one more read (the number of real tokens), and expert parallelism reads its exchange
+sizes itself (moe/expert_parallel.py). A test counts the reads (tests/moe/test_expert_impl.py).
 """
 
 from __future__ import annotations
@@ -62,7 +69,10 @@ class MoELayer(nn.Module):
         # Set by expert parallelism (moe_platform.expert_parallel.shard_experts): `experts` then holds only this
         # rank's block, and tokens travel to their expert.
         self.expert_parallel: ExpertParallel | None = None
-        self.experts = GroupedExperts(d_model, config.expert_d_ff, config.num_experts, activation, init_std)
+        use_grouped_mm = {"auto": None, "grouped_mm": True, "loop": False}[config.experts_impl]
+        self.experts = GroupedExperts(
+            d_model, config.expert_d_ff, config.num_experts, activation, init_std, use_grouped_mm=use_grouped_mm
+        )
         # S shared experts of width F summed equal one FFN of width S·F (the activation is per hidden unit),
         # so they are fused into one module: one matmul per projection instead of S (DeepSeek does the same).
         self.shared_experts: FeedForward | None = None
@@ -113,7 +123,7 @@ class MoELayer(nn.Module):
         )
         x_AD = dispatch(x_ND, plan)
         if self.expert_parallel is None:
-            y_AD = self.experts(x_AD, plan.tokens_per_expert_after_E.tolist())
+            y_AD = self.experts(x_AD, plan.tokens_per_expert_after)
         else:
             y_AD = self.expert_parallel.run_experts(self.experts, x_AD, plan.tokens_per_expert_after_E)
         out_ND = combine(y_AD, route.gates_NK, plan)

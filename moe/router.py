@@ -38,9 +38,16 @@ def select_topk(
     softmax_after_topk: bool = False,
     renormalize: bool = True,
     selection_bias_E: torch.Tensor | None = None,
+    scores_NE: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn logits into (topk_ids_NK, gates_NK) by the rule in `RouterConfig`'s docstring."""
-    if score_fn == "softmax" and softmax_after_topk:
+    """Turn logits into (topk_ids_NK, gates_NK) by the rule in `RouterConfig`'s docstring.
+
+    `scores_NE`: the scores already computed from these logits (the router passes its balancing softmax, the
+    same tensor), so that they are not computed twice.
+    """
+    if scores_NE is not None:
+        pass
+    elif score_fn == "softmax" and softmax_after_topk:
         scores_NE = logits_NE  # choose on logits; the softmax comes after, over the K chosen
     elif score_fn == "softmax":
         scores_NE = logits_NE.softmax(dim=-1)
@@ -49,9 +56,11 @@ def select_topk(
     else:
         raise ValueError(f"score_fn={score_fn!r} is not supported: use 'softmax' or 'sigmoid'")
 
-    choice_NE = scores_NE if selection_bias_E is None else scores_NE + selection_bias_E
-    topk_ids_NK = choice_NE.topk(top_k, dim=-1).indices
-    chosen_NK = scores_NE.gather(1, topk_ids_NK)  # unbiased: the bias never reaches the gates
+    if selection_bias_E is None:
+        chosen_NK, topk_ids_NK = scores_NE.topk(top_k, dim=-1)
+    else:
+        topk_ids_NK = (scores_NE + selection_bias_E).topk(top_k, dim=-1).indices
+        chosen_NK = scores_NE.gather(1, topk_ids_NK)  # unbiased: the bias never reaches the gates
 
     if softmax_after_topk:
         gates_NK = chosen_NK.softmax(dim=-1)
@@ -118,6 +127,9 @@ class TopKRouter(nn.Module):
                 eps = self.config.jitter_eps
                 x_ND = x_ND * torch.empty_like(x_ND).uniform_(1.0 - eps, 1.0 + eps)
             logits_NE = F.linear(x_ND, self.weight.to(router_dtype))
+            probs_NE = balancing_probs(logits_NE, self.config.score_fn)
+            # With a softmax before top-k the selection scores are the balancing probabilities: one softmax.
+            shared = self.config.score_fn == "softmax" and not self.config.softmax_after_topk
             topk_ids_NK, gates_NK = select_topk(
                 logits_NE,
                 top_k=self.top_k,
@@ -125,15 +137,17 @@ class TopKRouter(nn.Module):
                 softmax_after_topk=self.config.softmax_after_topk,
                 renormalize=self.config.renormalize_topk,
                 selection_bias_E=self.expert_bias.to(router_dtype) if self.uses_bias else None,
+                scores_NE=probs_NE if shared else None,
             )
-            probs_NE = balancing_probs(logits_NE, self.config.score_fn)
             balance_ids_NK = topk_ids_NK
             if self.uses_bias:  # probs_NE ranks experts as the unbiased scores do (a per-token monotone map)
                 balance_ids_NK = probs_NE.detach().topk(self.top_k, dim=-1).indices
 
         if self.uses_bias and self.training:
             with torch.no_grad():
-                self.load_since_update += torch.bincount(topk_ids_NK.flatten(), minlength=self.num_experts)
+                # index_add, not bincount, which on CUDA reads the ids' max to the host
+                ids_A = topk_ids_NK.flatten()
+                self.load_since_update.index_add_(0, ids_A, torch.ones_like(ids_A))
         return RouterOutput(topk_ids_NK, gates_NK, probs_NE, logits_NE, balance_ids_NK)
 
     @torch.no_grad()

@@ -67,13 +67,15 @@ def collect_stats(
     """The raw sums of one forward: counts before/after capacity, fully dropped tokens, entropy and loss sums."""
     device = probs_NE.device
     fully_dropped = torch.zeros((), dtype=torch.int64, device=device)
-    if capacity is not None:
-        kept_per_token_N = torch.bincount(plan.token_ids_A, minlength=num_tokens)
+    if capacity is not None:  # (index_add, not bincount, and torch.full, not torch.tensor: no host round trip)
+        kept_per_token_N = plan.token_ids_A.new_zeros(num_tokens).index_add_(
+            0, plan.token_ids_A, torch.ones_like(plan.token_ids_A)
+        )
         fully_dropped = (kept_per_token_N == 0).sum()
     return MoEStats(
         tokens_per_expert_before=plan.tokens_per_expert_before_E,
         tokens_per_expert_after=plan.tokens_per_expert_after_E,
-        num_tokens=torch.tensor(num_tokens, dtype=torch.int64, device=device),
+        num_tokens=torch.full((), num_tokens, dtype=torch.int64, device=device),
         fully_dropped_tokens=fully_dropped,
         entropy_sum=-torch.special.xlogy(probs_NE, probs_NE).sum().float(),
         aux_loss_sum=aux_loss.detach().float(),

@@ -32,6 +32,7 @@ _FREE_FIELDS = (
     "model.moe.eval_capacity_factor",
     "model.moe.min_capacity",
     "model.moe.drop_policy",
+    "model.moe.experts_impl",
     "model.moe.aux_loss_coef",
     "model.moe.z_loss_coef",
     "model.moe.aux_loss_scope",

@@ -76,6 +76,21 @@ def test_probs_policy_keeps_each_experts_highest_gates():
     assert plan.tokens_per_expert_before_E[0] > capacity
 
 
+def test_choice_policy_keeps_first_choices_before_second_choices():
+    ids, gates = random_routing()
+    capacity = 9
+    plan = plan_dispatch(ids, gates, num_experts=5, capacity=capacity, drop_policy="choice")
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1).tolist()
+    for e, kept in kept_by_expert(plan, top_k).items():
+        routed = [a for a, expert in enumerate(flat_ids) if expert == e]
+        by_choice = sorted(routed, key=lambda a: (a % top_k, a // top_k))  # k first, then token
+        assert kept == by_choice[:capacity]
+    assert plan.tokens_per_expert_before_E[0] > capacity
+    # Expert 0 is the skewed favourite: its first choices alone fill it, so every 2nd choice of it is dropped.
+    assert all(a % top_k == 0 for a in kept_by_expert(plan, top_k)[0])
+
+
 def test_dropless_plan_keeps_every_assignment_once():
     ids, gates = random_routing()
     plan = plan_dispatch(ids, gates, num_experts=5, capacity=None)
@@ -102,7 +117,7 @@ def reference_moe(x_ND, ids, gates, experts, kept_assignments):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-@pytest.mark.parametrize("capacity, policy", [(None, "position"), (9, "position"), (9, "probs")])
+@pytest.mark.parametrize("capacity, policy", [(None, "position"), (9, "position"), (9, "probs"), (9, "choice")])
 def test_sparse_dispatch_equals_a_per_token_loop(activation, capacity, policy):
     ids, gates = random_routing()
     experts = GroupedExperts(8, 12, 5, activation, init_std=0.3).double()

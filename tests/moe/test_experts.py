@@ -46,10 +46,14 @@ def assert_paths_agree(grouped, loop, **tolerance):
 
 
 @requires_grouped_mm
+@pytest.mark.parametrize("cpu_mm_slices", [True, False], ids=["mm_slices", "grouped_mm_kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("tokens_per_expert", SIZES, ids=str)
-def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, activation, tokens_per_expert):
+def test_grouped_mm_equals_the_loop_forward_and_backward(
+    monkeypatch, cpu_mm_slices, dtype, activation, tokens_per_expert
+):
+    monkeypatch.setattr(GroupedExperts, "cpu_mm_slices", cpu_mm_slices)
     experts = GroupedExperts(D, FF, E, activation, init_std=0.3).to(dtype)
     x_AD = torch.randn(sum(tokens_per_expert), D, dtype=dtype)
     grouped = run(experts, x_AD, tokens_per_expert, use_grouped_mm=True)
@@ -62,10 +66,14 @@ def test_grouped_mm_equals_the_loop_forward_and_backward(dtype, activation, toke
 
 
 @requires_grouped_mm
+@pytest.mark.parametrize("cpu_mm_slices", [True, False], ids=["mm_slices", "grouped_mm_kernel"])
 @pytest.mark.parametrize("grad", ["sum", "transposed"])
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 @pytest.mark.parametrize("tokens_per_expert", [[3, 0, 5, 2], [1, 0, 0, 0], [0, 0, 0, 0]], ids=str)
-def test_grouped_mm_backward_takes_gradients_of_any_layout(grad, activation, tokens_per_expert):
+def test_grouped_mm_backward_takes_gradients_of_any_layout(
+    monkeypatch, cpu_mm_slices, grad, activation, tokens_per_expert
+):
+    monkeypatch.setattr(GroupedExperts, "cpu_mm_slices", cpu_mm_slices)
     # grouped_mm's own backward raises on these ("Invalid strides/sizes" for stride 0, "strides should be multiple
     # of 16 bytes" for column-major); the callers' y.sum().backward() must just work.
     experts = GroupedExperts(D, FF, E, activation, init_std=0.3)
@@ -103,7 +111,8 @@ def test_grouped_mm_follows_bf16_autocast_like_the_loop(activation):
     ],
 )
 def test_auto_uses_grouped_mm_exactly_where_it_can_run(monkeypatch, d_model, d_ff, dtype, expect_grouped):
-    calls = []
+    calls = []  # one per grouped projection: cpu_mm_slices=False runs torch's grouped_mm kernel here too
+    monkeypatch.setattr(GroupedExperts, "cpu_mm_slices", False)
     real_grouped_mm = F.grouped_mm
     monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: calls.append(1) or real_grouped_mm(*a, **kw))
     experts = GroupedExperts(d_model, d_ff, 3, "swiglu").to(dtype)
