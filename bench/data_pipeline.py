@@ -6,8 +6,9 @@ Measured, in one process, with a fresh datasets cache:
               num_proc), batch; byte-level, and a BPE tokenizer trained here on a 5 MB sample
   streaming   the same corpus streamed: tokenize + pack + batch on the fly (what every rank does)
   model       the real trainer: `moe-train` with its defaults (conf/model/moe_tiny.yaml on
-              conf/data/synthetic.yaml), tokens/s from its metrics.jsonl: the trainer's consumption.
-              The goal is pipeline >= 20x this.
+              conf/data/synthetic.yaml) at the pipeline rows' shape (data.seq_len = --seq-len,
+              data.global_batch_size = --global-batch), tokens/s between its log records' time stamps after
+              warm-up: the trainer's consumption. The goal is pipeline >= 20x this.
 
     .venv/bin/python bench/data_pipeline.py                 # 50 MB corpus, everything
     .venv/bin/python bench/data_pipeline.py --mb 10 --no-bpe --no-model
@@ -169,15 +170,19 @@ def train_bpe(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_mb: fl
     return {"name_or_path": str(path), "eos_token": "<eos>"}
 
 
-def bench_model(data_yaml: Path, model_yaml: Path) -> dict:
-    """Tokens/s the real trainer consumes: `moe-train` with its defaults (the tiny MoE on the synthetic data), as
-    reported in its metrics.jsonl after warm-up — the whole loop, not a bare forward/backward."""
+def bench_model(data_yaml: Path, model_yaml: Path, seq_len: int, global_batch: int) -> dict:
+    """Tokens/s the real trainer consumes: `moe-train` with its defaults (the tiny MoE on the synthetic data) at the
+    shape the pipeline rows are measured at, from its log records after warm-up: the whole loop (logs included: the
+    span between two records' time stamps), not a bare forward/backward."""
     import subprocess
+    from datetime import datetime
 
     with tempfile.TemporaryDirectory() as run_dir:
         command = [
             str(Path(sys.executable).parent / "moe-train"),
             f"hydra.run.dir={run_dir}",
+            f"data.seq_len={seq_len}",
+            f"data.global_batch_size={global_batch}",
             "trainer.max_steps=40",
             "trainer.log_every=10",
             "trainer.eval_every=0",
@@ -186,10 +191,12 @@ def bench_model(data_yaml: Path, model_yaml: Path) -> dict:
         ]
         subprocess.run(command, check=True, capture_output=True, text=True)
         records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]  # the first window includes warm-up
+    train = [r for r in records if "tokens_per_s" in r]
+    first, last = train[0], train[-1]  # the first window includes warm-up: from the end of step 10
+    seconds = datetime.fromisoformat(last["time"]).timestamp() - datetime.fromisoformat(first["time"]).timestamp()
     return {
-        "name": f"trainer (moe-train defaults: {model_yaml.stem} on {data_yaml.stem})",
-        "batch_tok_s": sum(rates) / len(rates),
+        "name": f"trainer ({model_yaml.stem} on {data_yaml.stem}, seq_len {seq_len}, batch {global_batch})",
+        "batch_tok_s": (last["tokens_seen"] - first["tokens_seen"]) / seconds,
     }
 
 
@@ -221,7 +228,12 @@ def main() -> None:
         model = None
         if not args.no_model:
             try:
-                model = bench_model(ROOT / "conf/data/synthetic.yaml", ROOT / "conf/model/moe_tiny.yaml")
+                model = bench_model(
+                    ROOT / "conf/data/synthetic.yaml",
+                    ROOT / "conf/model/moe_tiny.yaml",
+                    args.seq_len,
+                    args.global_batch,
+                )
             except Exception as exc:  # the data figures stand on their own
                 print(f"model step not measured: {type(exc).__name__}: {exc}")
     finally:

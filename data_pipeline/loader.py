@@ -4,6 +4,11 @@ Each loader yields this rank's micro-batches as dicts of int64 tensors:
 ``input_ids [m, seq_len]``, ``labels [m, seq_len]`` (inputs shifted by one inside the packed window),
 and ``sample_ids [m]`` (the packed-sample index within the corpus, for tests and logging; when
 streaming, the window's index in its epoch's stream, since windows are re-cut every epoch).
+With ``document_mask``, also ``document_ids [m, seq_len]``: which document of the window each input
+token belongs to, counted from 0 at the window's first token and raised by one after every EOS
+(``document_ids[t] = #{s < t : input_ids[s] = EOS}``), so an EOS belongs to the document it closes. The
+model uses them to keep attention inside each document (block-diagonal causal). They are a function of
+the window alone, so determinism and resuming are those of the windows.
 
 Slicing (details in ``data_pipeline.order``): global step g is positions ``[g·G, (g+1)·G)`` of the
 global sample sequence; rank r of W takes the contiguous block ``[r·G/W, (r+1)·G/W)`` and its
@@ -99,6 +104,7 @@ class DataConfig:
     seq_len: int = 256
     global_batch_size: int = 32  # packed samples per optimizer step, over all ranks
     seed: int = 0  # sample order; the corpus itself does not depend on it
+    document_mask: bool = False  # batches carry document_ids: attention stays inside each packed document
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -137,22 +143,28 @@ class DataConfig:
             raise DataConfigError(f"data.seed={self.seed} must be >= 0")
 
 
-def _to_batch(sample_ids: np.ndarray, windows: np.ndarray) -> dict[str, torch.Tensor]:
+def _to_batch(sample_ids: np.ndarray, windows: np.ndarray, eos_id: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The micro-batch of these windows; with ``eos_id``, plus the inputs' ``document_ids`` (module docstring)."""
     windows_BW = torch.from_numpy(windows.astype(np.int64))  # (m, seq_len + 1)
-    return {
+    batch = {
         "input_ids": windows_BW[:, :-1].contiguous(),  # (m, seq_len)
         "labels": windows_BW[:, 1:].contiguous(),  # (m, seq_len)
         "sample_ids": torch.from_numpy(sample_ids.astype(np.int64)),  # (m,)
     }
+    if eos_id is not None:
+        is_eos_BT = (batch["input_ids"] == eos_id).long()
+        batch["document_ids"] = is_eos_BT.cumsum(dim=1) - is_eos_BT  # EOS before t, not at t: (m, seq_len)
+    return batch
 
 
 class TrainLoader:
     """Endless iterator over this rank's micro-batches, ``accumulation_steps`` per global step."""
 
-    def __init__(self, samples: SampleSequence, layout: BatchLayout, seed: int):
+    def __init__(self, samples: SampleSequence, layout: BatchLayout, seed: int, eos_id: Optional[int] = None):
         self.samples = samples
         self.layout = layout
         self.seed = seed
+        self.eos_id = eos_id  # set: batches carry document_ids (data.document_mask)
         self._start = 0  # global samples consumed when the current iterator began
         self._yielded = 0  # micro-batches yielded by the current iterator
 
@@ -180,7 +192,7 @@ class TrainLoader:
         while True:
             for micro in range(self.accumulation_steps):
                 position = start + self.layout.micro_batch_start(step, micro)
-                batch = _to_batch(*self.samples.read(position, self.layout.micro_batch_size))
+                batch = _to_batch(*self.samples.read(position, self.layout.micro_batch_size), self.eos_id)
                 self._yielded += 1  # before yielding: after the last micro-batch the step counts as done
                 yield batch
             step += 1
@@ -218,6 +230,7 @@ class ValLoader:
         where: str,
         *,
         lazy: bool,
+        eos_id: Optional[int] = None,
     ):
         # lazy: load on first use, so a streamed validation set is read from the stream at the first
         # evaluation rather than at build time; otherwise load now and fail early if it is too small.
@@ -225,6 +238,7 @@ class ValLoader:
         self._config = config
         self.layout = layout
         self.where = where
+        self.eos_id = eos_id  # set: batches carry document_ids (data.document_mask)
         self._num_batches: Optional[int] = None if lazy else self._count_batches()
 
     @cached_property
@@ -257,7 +271,7 @@ class ValLoader:
         for step in range(self.num_batches):
             for micro in range(self.layout.accumulation_steps):
                 position = self.layout.micro_batch_start(step, micro)
-                yield _to_batch(*self.samples.read(position, self.layout.micro_batch_size))
+                yield _to_batch(*self.samples.read(position, self.layout.micro_batch_size), self.eos_id)
 
 
 @dataclass
@@ -319,14 +333,15 @@ def _synthetic_loaders(config: DataConfig, layout: BatchLayout, val_layout: Batc
     held_out_tokens = np.repeat(held_out, doc_lengths)
     width = config.seq_len + 1
     where = "synthetic corpus"
+    eos_id = language.eos_id if config.document_mask else None
     train_tokens = TokenBuffer([tokens[~held_out_tokens]])
     _check_fills_a_window(train_tokens, width, where)
     val = None
     if config.val.enabled:
         val_tokens = TokenBuffer([tokens[held_out_tokens]])
-        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False)
+        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
     return DataLoaders(
-        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed),
+        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id),
         val=val,
         vocab_size=language.vocab_size,
         eos_id=language.eos_id,
@@ -356,11 +371,13 @@ def _hf_loaders(config: DataConfig, layout: BatchLayout, val_layout: BatchLayout
         held_out = _Part(hf.split, hf.data_files, "val")
     build = _streamed_hf if hf.streaming else _indexed_hf
     train_samples, load_val_tokens = build(config, tokenizer, train, held_out, val_layout)
+    eos_id = tokenizer.eos_id if config.document_mask else None
     val_loader = None
     if load_val_tokens is not None:
-        val_loader = ValLoader(load_val_tokens, config, val_layout, describe(hf, *held_out[:2]), lazy=hf.streaming)
+        where = describe(hf, *held_out[:2])
+        val_loader = ValLoader(load_val_tokens, config, val_layout, where, lazy=hf.streaming, eos_id=eos_id)
     return DataLoaders(
-        train=TrainLoader(train_samples, layout, config.seed),
+        train=TrainLoader(train_samples, layout, config.seed, eos_id),
         val=val_loader,
         vocab_size=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,

@@ -4,8 +4,10 @@ Window i is tokens ``[i·w, (i+1)·w)`` of the concatenation, ``w = seq_len + 1`
 ``input_ids = window[:-1]`` and ``labels = window[1:]``. Windows do not overlap, so the first token
 of each window is never a label. The tail that does not fill a window (fewer than w tokens, at the
 very end of the corpus, or of each epoch when streaming) is dropped and counted: for every corpus,
-``num_windows · w + remainder == total tokens``. Attention is allowed to cross document boundaries
-(inside a window the model sees the previous document and the EOS that closes it).
+``num_windows · w + remainder == total tokens``. By default attention crosses document boundaries
+(inside a window the model sees the previous document and the EOS that closes it); with
+``data.document_mask`` the loader marks each token's document (``loader``) and the model keeps
+attention inside it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ from moe.errors import ModelConfigError
 from moe.ffn import FeedForward
 from moe.kv_cache import KVCache
 from moe.ledger import (
+    ActivationBytes,
     FlopsPerToken,
     RunShape,
     TrainingStateBytes,
+    activation_bytes,
     all_to_all_bytes_per_step,
     expert_params_per_rank,
     format_ledger,
@@ -23,6 +25,7 @@ from moe.moe_config import MoEConfig
 from moe.moe_layer import MoELayer, MoEOutput
 
 __all__ = [
+    "ActivationBytes",
     "Attention",
     "FeedForward",
     "FlopsPerToken",
@@ -37,6 +40,7 @@ __all__ = [
     "RunShape",
     "TrainingStateBytes",
     "Transformer",
+    "activation_bytes",
     "all_to_all_bytes_per_step",
     "build_attention_mask",
     "count_parameters",

@@ -19,18 +19,30 @@ from moe.rope import apply_rope
 
 
 def build_attention_mask(
-    query_positions_T: torch.Tensor, key_length: int, key_valid_BS: torch.Tensor | None = None
+    query_positions_T: torch.Tensor,
+    key_length: int,
+    key_valid_BS: torch.Tensor | None = None,
+    document_ids_BS: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean mask (B or 1, 1, T, S), True = may attend: causal on absolute positions, and valid keys only.
+    """Boolean mask (B or 1, 1, T, S), True = may attend: causal on absolute positions, valid keys only, and,
+    with `document_ids_BS`, keys of the query's own document only (block-diagonal causal over packed documents):
+
+        M[b, i, j] = (j ≤ p_i) ∧ valid[b, j] ∧ (doc[b, j] = doc[b, p_i])
 
     Query i sits at absolute position query_positions_T[i] (the cached prefix length plus its index in the
     step), so it sees keys 0 … that position, not a top-left triangle of the step's own length.
     """
     key_positions_S = torch.arange(key_length, device=query_positions_T.device)
     allowed_TS = key_positions_S[None, :] <= query_positions_T[:, None]
-    if key_valid_BS is None:
+    if key_valid_BS is None and document_ids_BS is None:
         return allowed_TS[None, None]
-    allowed_BTS = allowed_TS[None] & key_valid_BS[:, None, :].bool()
+    allowed_BTS = allowed_TS[None]
+    if document_ids_BS is not None:
+        query_documents_BT = document_ids_BS[:, query_positions_T]
+        allowed_BTS = allowed_BTS & (query_documents_BT[:, :, None] == document_ids_BS[:, None, :])
+    if key_valid_BS is None:
+        return allowed_BTS[:, None]
+    allowed_BTS = allowed_BTS & key_valid_BS[:, None, :].bool()
     # A padding query has no valid key to its left under left padding. Its output is discarded by the caller,
     # so let it attend to itself to stay finite; real queries keep exactly the mask above.
     query_is_padding_BT = ~key_valid_BS[:, -query_positions_T.numel() :].bool()

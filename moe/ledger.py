@@ -1,10 +1,11 @@
-"""The resource ledger: four separate tables, each a pure function of the config and the run shape.
+"""The resource ledger: five separate tables, each a pure function of the config and the run shape.
 
 Seed 000 ("把参数、激活、缓存和运算分开记账") and seed 001 §1.5 insist that parameters, training-state bytes,
-KV-cache bytes and matmul FLOPs are different quantities with different units and assumptions; adding them into
-one "model size" distorts every estimate. Each row here therefore carries the assumption it was computed under.
+activation bytes, KV-cache bytes and matmul FLOPs are different quantities with different units and assumptions;
+adding them into one "model size" distorts every estimate. Each row here therefore carries the assumption it was
+computed under.
 
-Under expert parallelism (EP > 1) a fifth table gives the per-rank figures that EP changes. Legend there:
+Under expert parallelism (EP > 1) a sixth table gives the per-rank figures that EP changes. Legend there:
 W all ranks, EP ranks sharing one MoE layer's experts, E routed experts, K experts per token, D model width,
 L_moe MoE layers, N tokens per micro-batch, s bytes per activation element.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 # Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
 # arrow points one way: ledger → config.
 from moe.config import ModelConfig, count_parameters
+from moe.dispatch import expert_capacity
 from moe.ffn import ffn_matmul_flops_per_token
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -201,6 +203,154 @@ def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------------------------
+#
+# What autograd keeps from one micro-batch's forward until its backward, read off our modules (and checked by
+# tests against saved-tensor hooks and the measured peak of a training step). Legend: N = B·S tokens, D model
+# width, H / H_kv query / KV heads of d_h dims, F dense FFN width, E experts, K experts per token, A kept
+# assignments (N·K dropless, at most E·C under a capacity C), F_e expert width, F_s shared experts' total width,
+# V vocabulary, s bytes per activation element (4 fp32, 2 for a bf16 model), 4 for what is always fp32.
+
+CHECKPOINTING = ("none", "moe", "full")
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes one micro-batch's forward leaves for its backward, by part, summed over layers."""
+
+    attention: float  # attention sub-layers with their norms (under "full": every block's input only)
+    ffn: float  # dense FFN sub-layers with their norms
+    moe: float  # MoE sub-layers' norms, router, expert hidden units and shared experts (under "moe": inputs only)
+    dispatch: float  # MoE dispatch buffers: the A gathered rows, combine's [N, K, D] and the index tensors
+    logits: float  # final norm, the [N, V] logits, cross-entropy's fp32 log-probabilities and their gradients
+    recompute: float  # under checkpointing, the largest piece rebuilt in backward, beyond the logits' fp32 bytes
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.ffn + self.moe + self.dispatch + self.logits + self.recompute
+
+
+def _norm_bytes(config: ModelConfig, num_tokens: int, s: int) -> int:
+    """A norm keeps its input and output, N·D·s each, and per-token statistics: RMSNorm (composite in torch)
+    also its normalised input x·rstd (N·D·s) and rstd (N·4); LayerNorm mean and rstd (2·N·4)."""
+    if config.norm == "rmsnorm":
+        return 3 * num_tokens * config.d_model * s + 4 * num_tokens
+    return 2 * num_tokens * config.d_model * s + 8 * num_tokens
+
+
+def _attention_bytes(config: ModelConfig, num_tokens: int, s: int) -> int:
+    """Norm + Q (N·H·d_h·s) + K and V (2·N·H_kv·d_h·s, unexpanded under GQA) + SDPA's output (N·H·d_h·s, which
+    W_O reads as a view) + its log-sum-exp (N·H·4): SDPA's fused (flash) path, which torch 2.13 takes on CPU with
+    or without a mask (the mask's own bytes: `activation_bytes`)."""
+    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return (
+        _norm_bytes(config, num_tokens, s)
+        + num_tokens * (2 * q_width + 2 * kv_width) * s
+        + num_tokens * config.n_heads * 4
+    )
+
+
+def _hidden_bytes(rows: int, width: int, activation: str, s: int) -> int:
+    """An FFN's hidden units: GELU keeps x·W_up and its GELU (2 per unit), SwiGLU the gate, its SiLU, the up
+    projection and their product (4 per unit); the input row is counted by whoever produced it. Routed experts
+    keep the same on their grouped_mm path (GPUs, torch.compile); CPU's eager expert-by-expert path recomputes
+    SiLU in backward and keeps one A·F_e·s less per SwiGLU layer."""
+    return (4 if activation == "swiglu" else 2) * rows * width * s
+
+
+def _assignments(config: ModelConfig, num_tokens: int) -> int:
+    """A = N·K dropless; under a capacity at most E·C (every expert full), whichever is smaller."""
+    moe = config.moe
+    assignments = num_tokens * moe.top_k
+    if moe.capacity_factor is None:
+        return assignments
+    capacity = expert_capacity(
+        num_tokens,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        capacity_factor=moe.capacity_factor,
+        min_capacity=moe.min_capacity,
+    )
+    return min(assignments, moe.num_experts * capacity)
+
+
+def _moe_bytes(config: ModelConfig, num_tokens: int, s: int) -> tuple[int, int]:
+    """(MoE sub-layer without dispatch, dispatch) bytes of one MoE layer.
+
+    MoE: norm + the router's fp32 input copy when s < 4 (N·D·4) + router logits, softmax, balancing
+    probabilities and loss terms (≈ 4·N·E·4) + top-k ids, gates and their sum (N·K·(8 + 4) + N·4) + expert
+    hidden units over A rows + shared experts' hidden units over N rows.
+    Dispatch: the gathered rows x_AD (A·D·s) + combine's gathered outputs y_NKD (N·K·D·s) + slot_NK (N·K·8) and
+    the token and assignment ids (2·A·8).
+    """
+    moe, D, K, E = config.moe, config.d_model, config.moe.top_k, config.moe.num_experts
+    A = _assignments(config, num_tokens)
+    router = (num_tokens * D * 4 if s < 4 else 0) + 4 * num_tokens * E * 4 + num_tokens * K * 12 + num_tokens * 4
+    shared_width = moe.num_shared_experts * moe.expert_d_ff
+    hidden = _hidden_bytes(A, moe.expert_d_ff, config.activation, s)
+    shared = _hidden_bytes(num_tokens, shared_width, config.activation, s)
+    dispatch = A * D * s + num_tokens * K * D * s + num_tokens * K * 8 + 2 * A * 8
+    return _norm_bytes(config, num_tokens, s) + router + hidden + shared, dispatch
+
+
+def activation_bytes(
+    config: ModelConfig,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    checkpointing: str = "none",
+    attention_mask: bool = False,
+) -> ActivationBytes:
+    """Bytes of activations one micro-batch keeps for backward, by part (dropout 0).
+
+    checkpointing="none": every sub-layer keeps what its backward reads (the helpers above give each formula).
+    "moe": each MoE sub-layer keeps only its input (N·D·s) and is rebuilt in backward, one layer at a time, so the
+    largest MoE sub-layer (+ its dispatch) is counted once as `recompute`. "full": each block keeps only its input
+    (N·D·s), and the largest block is rebuilt once at a time (counted beyond the 3·N·V·4 bytes of cross-entropy
+    it replaces at the peak: backward frees those before it rebuilds anything). Logits are never checkpointed:
+    N·V·s for the logits the model returns + N·V·4 for the fp32 log-probabilities cross-entropy keeps + 2·N·V·4
+    for their fp32 gradients at the start of backward (where a training step peaks) + the final norm.
+    `attention_mask` (padding, or packed documents' block-diagonal mask): SDPA keeps the mask converted to the
+    activations' dtype, B·S²·s per layer.
+    Under bf16 autocast (fp32 weights) the norms stay fp32 and each linear keeps a bf16 copy of its input: this
+    estimate, written for activations in the weights' dtype, undercounts that case.
+    """
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision={precision!r} is unknown: use one of {tuple(ACTIVATION_BYTES)}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing={checkpointing!r} is unknown: use one of {CHECKPOINTING}")
+    s, N, D = ACTIVATION_BYTES[precision], micro_batch_size * seq_len, config.d_model
+    block_input = N * D * s
+    attention = ffn = moe = dispatch = recompute = 0
+    for layer in range(config.n_layers):
+        layer_attention = _attention_bytes(config, N, s)
+        if attention_mask:
+            layer_attention += micro_batch_size * seq_len**2 * s
+        layer_ffn = layer_moe = layer_dispatch = 0
+        if config.is_moe_layer(layer):
+            layer_moe, layer_dispatch = _moe_bytes(config, N, s)
+        else:
+            layer_ffn = _norm_bytes(config, N, s) + _hidden_bytes(N, config.d_ff, config.activation, s)
+        if checkpointing == "full":
+            attention += block_input
+            recompute = max(recompute, layer_attention + layer_ffn + layer_moe + layer_dispatch)
+        elif checkpointing == "moe" and config.is_moe_layer(layer):
+            attention, ffn, moe = attention + layer_attention, ffn + layer_ffn, moe + block_input
+            recompute = max(recompute, layer_moe + layer_dispatch)
+        else:
+            attention, ffn = attention + layer_attention, ffn + layer_ffn
+            moe, dispatch = moe + layer_moe, dispatch + layer_dispatch
+    # The step peaks as backward starts: the gradients of the log-probabilities and of the logits (fp32) join
+    # everything forward kept, before backward frees any of it.
+    logits = _norm_bytes(config, N, s) + N * config.vocab_size * (s + 4 + 2 * 4)
+    # Backward rebuilds the last checkpointed piece after cross-entropy's backward has freed the log-probabilities
+    # and their gradients, so the rebuilt piece only counts beyond those 3·N·V·4 bytes.
+    recompute = max(0, recompute - 3 * N * config.vocab_size * 4)
+    return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Printing
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -217,6 +367,8 @@ class RunShape:
     kv_bytes_per_element: int = 2
     ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (divides dp_size and E)
     grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
+    checkpointing: str = "none"  # activation checkpointing: "none", "moe" or "full"
+    attention_mask: bool = False  # a padding or packed-document mask reaches attention (SDPA keeps it per layer)
 
 
 def _human(n: float, unit: str) -> str:
@@ -240,7 +392,7 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
 
 
 def format_ledger(config: ModelConfig, run: RunShape) -> str:
-    """The four tables (five under expert parallelism), each row with the assumption it rests on."""
+    """The five tables (six under expert parallelism), each row with the assumption it rests on."""
     params = count_parameters(config)
     state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
     flops = matmul_flops_per_token(config, run.seq_len)
@@ -294,6 +446,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
             ],
         ),
     ]
+    tables.insert(2, _activation_table(config, run))
     if run.ep_size > 1:
         tables.insert(2, _expert_parallel_table(config, run, state))
     return "\n\n".join(tables)
@@ -332,4 +485,42 @@ def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingSt
                 f"s = {ACTIVATION_BYTES[run.precision]} B, uniform routing, payload only",
             ),
         ],
+    )
+
+
+def _activation_table(config: ModelConfig, run: RunShape) -> str:
+    acts = activation_bytes(
+        config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
+    )
+    s = ACTIVATION_BYTES[run.precision]
+    rows = [
+        (
+            "attention",
+            _human(acts.attention, "B"),
+            "norm, Q, K, V, SDPA output" + (" and mask" if run.attention_mask else ""),
+        ),
+        ("ffn", _human(acts.ffn, "B"), "dense FFN sub-layers: norm and hidden units"),
+    ]
+    if config.moe is not None:
+        rows += [
+            ("moe", _human(acts.moe, "B"), "norm, router, expert and shared-expert hidden units"),
+            ("dispatch", _human(acts.dispatch, "B"), "gathered rows A·D + combine's N·K·D + index tensors"),
+        ]
+    rows += [
+        ("logits", _human(acts.logits, "B"), "final norm, N·V logits, fp32 log-probs and their gradients"),
+        ("recompute", _human(acts.recompute, "B"), "the largest checkpointed piece, rebuilt once at a time"),
+        (
+            f"activations per micro-batch ({run.checkpointing})",
+            _human(acts.total, "B"),
+            "kept for backward, peak as backward starts; dropout 0",
+        ),
+    ]
+    for mode in CHECKPOINTING:
+        if mode != run.checkpointing and (mode != "moe" or config.moe is not None):
+            other = activation_bytes(config, run.micro_batch_size, run.seq_len, run.precision, mode, run.attention_mask)
+            rows.append((f"  with checkpointing={mode}", _human(other.total, "B"), "the same micro-batch"))
+    return _table(
+        f"Activations per micro-batch (B={run.micro_batch_size}, S={run.seq_len}, s = {s} B, "
+        f"checkpointing={run.checkpointing})",
+        rows,
     )

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.attention import Attention, build_attention_mask
+from moe.checkpointing import MODES as CHECKPOINTING_MODES
+from moe.checkpointing import recompute_in_backward
 from moe.config import ModelConfig
 from moe.ffn import FeedForward
 from moe.kv_cache import KVCache
@@ -49,6 +51,7 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
         self.residual_dropout = nn.Dropout(config.dropout)
+        self.checkpointing = "none"  # see moe/checkpointing.py; set by Transformer.set_activation_checkpointing
 
     def forward(
         self,
@@ -58,11 +61,22 @@ class Block(nn.Module):
         kv_cache: KVCache | None,
         token_mask_BT: torch.Tensor | None,
     ) -> tuple[torch.Tensor, MoEOutput | None]:
+        if self.checkpointing == "full" and torch.is_grad_enabled() and kv_cache is None:
+            return recompute_in_backward(self._forward, x_BTD, rope_cos_sin, mask, kv_cache, token_mask_BT)
+        return self._forward(x_BTD, rope_cos_sin, mask, kv_cache, token_mask_BT)
+
+    def _forward(self, x_BTD, rope_cos_sin, mask, kv_cache, token_mask_BT) -> tuple[torch.Tensor, MoEOutput | None]:
         x_BTD = x_BTD + self.residual_dropout(self.attn(self.attn_norm(x_BTD), rope_cos_sin, mask, kv_cache))
         if isinstance(self.ffn, MoELayer):
-            moe_output = self.ffn(self.ffn_norm(x_BTD), token_mask_BT)
+            if self.checkpointing == "moe" and torch.is_grad_enabled():
+                moe_output = recompute_in_backward(self._moe_ffn, x_BTD, token_mask_BT)
+            else:
+                moe_output = self._moe_ffn(x_BTD, token_mask_BT)
             return x_BTD + self.residual_dropout(moe_output.output), moe_output
         return x_BTD + self.residual_dropout(self.ffn(self.ffn_norm(x_BTD))), None
+
+    def _moe_ffn(self, x_BTD: torch.Tensor, token_mask_BT: torch.Tensor | None) -> MoEOutput:
+        return self.ffn(self.ffn_norm(x_BTD), token_mask_BT)
 
 
 class Transformer(nn.Module):
@@ -78,6 +92,14 @@ class Transformer(nn.Module):
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Recompute in backward: each MoE layer ("moe"), each block ("full"), or nothing ("none"); see
+        moe/checkpointing.py."""
+        if mode not in CHECKPOINTING_MODES:
+            raise ValueError(f"activation checkpointing {mode!r} is unknown: use one of {CHECKPOINTING_MODES}")
+        for block in self.blocks:
+            block.checkpointing = mode
 
     def reset_parameters(self) -> None:
         """Every matrix ~ N(0, init_std²), biases 0, norms γ=1 β=0 (MoE layers initialise their own experts).
@@ -100,9 +122,15 @@ class Transformer(nn.Module):
         input_ids_BT: torch.Tensor,
         attention_mask_BT: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        document_ids_BT: torch.Tensor | None = None,
     ) -> ModelOutput:
         """`attention_mask_BT` marks real tokens (1) vs padding (0); a padding key is never attended by a real
-        query and padding tokens are not routed. With `kv_cache`, positions continue after the cached prefix."""
+        query and padding tokens are not routed. With `kv_cache`, positions continue after the cached prefix.
+
+        `document_ids_BT` (packed windows, e.g. the loader's `document_ids`) restricts attention to earlier tokens
+        of the token's own document: block-diagonal causal. Positions stay absolute window positions: under RoPE
+        a score depends only on the distance between query and key, so this equals restarting positions at each
+        document; learned position embeddings do see where a document starts in its window."""
         B, T = input_ids_BT.shape
         prefix = kv_cache.length if kv_cache is not None else 0
         if prefix + T > self.config.max_seq_len:
@@ -112,6 +140,13 @@ class Transformer(nn.Module):
             )
         if kv_cache is not None and attention_mask_BT is not None:
             raise ValueError("padding masks are not supported with a KV cache: decode unpadded prompts")
+        if kv_cache is not None and document_ids_BT is not None:
+            raise ValueError("document_ids_BT is not supported with a KV cache: decode one document per row")
+        if document_ids_BT is not None and document_ids_BT.shape != input_ids_BT.shape:
+            raise ValueError(
+                f"document_ids_BT of shape {tuple(document_ids_BT.shape)} must match input_ids_BT's "
+                f"{tuple(input_ids_BT.shape)}: pass one document id per token"
+            )
         positions_T = torch.arange(prefix, prefix + T, device=input_ids_BT.device)
 
         x_BTD = self.embed(input_ids_BT)
@@ -123,8 +158,10 @@ class Transformer(nn.Module):
             rope_cos_sin = rope_tables(positions_T, self.config.head_dim, self.config.rope_theta, x_BTD.dtype)
 
         mask = None
-        if attention_mask_BT is not None or (prefix > 0 and T > 1):
-            mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT)
+        if document_ids_BT is not None:
+            document_ids_BT = document_ids_BT.to(input_ids_BT.device)  # batches arrive on the host
+        if attention_mask_BT is not None or document_ids_BT is not None or (prefix > 0 and T > 1):
+            mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT, document_ids_BT)
 
         moe_outputs: list[MoEOutput | None] = []
         for block in self.blocks:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe.checkpointing import is_recomputing
 from moe.moe_config import RouterConfig
 
 
@@ -143,7 +144,7 @@ class TopKRouter(nn.Module):
             if self.uses_bias:  # probs_NE ranks experts as the unbiased scores do (a per-token monotone map)
                 balance_ids_NK = probs_NE.detach().topk(self.top_k, dim=-1).indices
 
-        if self.uses_bias and self.training:
+        if self.uses_bias and self.training and not is_recomputing():  # count each forward once
             with torch.no_grad():
                 # index_add, not bincount, which on CUDA reads the ids' max to the host
                 ids_A = topk_ids_NK.flatten()

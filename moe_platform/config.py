@@ -30,6 +30,8 @@ from moe import ModelConfig, ModelConfigError
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed")
 PRECISIONS = ("fp32", "bf16")
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+ACTIVATION_CHECKPOINTING = ("none", "moe", "full")
 MOE_DETAILS = ("brief", "detailed")
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")  # torch.distributed's; null picks nccl with GPUs, gloo without
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -57,8 +59,16 @@ class OptimConfig:
     warmup_steps: int = 20
     schedule: str = "cosine"
     min_lr_ratio: float = 0.1
+    # torch AdamW's kernel: "fused" (one kernel over all parameters; CPU and CUDA), "foreach" (a few batched ops
+    # per step), "for_loop" (ops per parameter), or "auto" (fused where the device has it, else foreach). The
+    # three compute the same update up to rounding; fused measured ~4x faster than the others on CPU here.
+    implementation: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.implementation in ADAMW_IMPLEMENTATIONS,
+            f"optim.implementation={self.implementation!r} is unknown: use one of {ADAMW_IMPLEMENTATIONS}",
+        )
         _require(self.lr > 0, f"optim.lr={self.lr} must be positive, e.g. 3e-4")
         _require(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must lie in [0, 1)")
@@ -219,8 +229,17 @@ class TrainerConfig:
     # nan_max_consecutive-th such step in a row.
     on_nan: str = "halt"
     nan_max_consecutive: int = 5
+    # Recompute activations in backward instead of keeping them (moe/checkpointing.py): "none", "moe" (each MoE
+    # layer) or "full" (each block). Same gradients, less memory, one more forward of what is recomputed.
+    activation_checkpointing: str = "none"
+    compile: bool = False  # torch.compile each transformer block (first steps pay the compilation)
 
     def __post_init__(self) -> None:
+        _require(
+            self.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+            f"trainer.activation_checkpointing={self.activation_checkpointing!r} is unknown: use one of "
+            f"{ACTIVATION_CHECKPOINTING}",
+        )
         for name in ("max_steps", "micro_batch_size", "log_every", "keep_last", "nan_max_consecutive"):
             value = getattr(self, name)
             _require(value >= 1, f"trainer.{name}={value} must be >= 1")
@@ -310,6 +329,16 @@ class TrainConfig:
             not self.init.upcycle or self.model.moe is not None,
             "init.upcycle=true turns dense FFNs into experts but model.moe is null: pick an MoE model, e.g. "
             "model=moe_tiny",
+        )
+        _require(
+            not (self.trainer.activation_checkpointing == "moe" and self.model.moe is None),
+            "trainer.activation_checkpointing=moe recomputes MoE layers but this model is dense (model.moe is null): "
+            "use full or none",
+        )
+        _require(
+            not (self.trainer.compile and self.distributed.zero_stage == 3),
+            "trainer.compile=true is not supported with ZeRO-3 (its parameter hooks gather inside the blocks that "
+            "would be compiled): use distributed=zero2 or set trainer.compile=false",
         )
         self._check_expert_parallel()
 

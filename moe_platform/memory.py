@@ -122,6 +122,7 @@ def _with_zero3(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(
         config,
         distributed=dataclasses.replace(config.distributed, strategy="deepspeed", zero_stage=3, expert_parallel_size=1),
+        trainer=dataclasses.replace(config.trainer, compile=False),  # ZeRO-3 refuses it; memory does not depend on it
     )
 
 

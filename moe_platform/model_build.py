@@ -45,6 +45,12 @@ def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
         if initial_state is not None:
             load_initial_weights(model, initial_state, partitioned=False)
     seed_noise_streams(config.trainer.seed, accelerator.process_index)
+    model.set_activation_checkpointing(config.trainer.activation_checkpointing)
+    if config.trainer.compile:
+        # Block by block, not the whole model: the MoE layers' split sizes are host integers (one graph break per
+        # layer), and blocks of one shape share their compiled code.
+        for block in model.blocks:
+            block.compile()
     return model
 
 

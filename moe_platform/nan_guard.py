@@ -76,11 +76,11 @@ class NanGuard:
             return self.engine.was_step_applied()
         return math.isfinite(grad_norm)
 
-    def after_nonfinite_step(self, step: int, input_ids: list[torch.Tensor], losses: list[torch.Tensor]) -> str | None:
+    def after_nonfinite_step(self, step: int, batches: list[dict], losses: list[torch.Tensor]) -> str | None:
         """Collective, on every rank once the update of `step` was withheld: drop the step's routing counts, find
         where the fault began, count it; returns the message to halt with, or None to go on (the step skipped).
-        `input_ids` and `losses` are this rank's micro-batches of the step and their total losses."""
-        origin = self._locate(input_ids, losses)
+        `batches` and `losses` are this rank's micro-batches of the step and their total losses."""
+        origin = self._locate(batches, losses)
         _drop_balancing_counts(self.accelerator.unwrap_model(self.model))  # the step's forwards' and _locate's
         self.state.skipped_steps += 1
         self.state.skipped_in_a_row += 1
@@ -132,7 +132,7 @@ class NanGuard:
     # ---- where the fault began ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _locate(self, input_ids: list[torch.Tensor], losses: list[torch.Tensor]) -> dict[str, str]:
+    def _locate(self, batches: list[dict], losses: list[torch.Tensor]) -> dict[str, str]:
         """Re-run this step's forwards with hooks; agree over ranks on the earliest non-finite module output."""
         device = self.accelerator.device
         first_output = None  # (micro-batch, module index in execution order, module name) on this rank
@@ -152,9 +152,9 @@ class NanGuard:
         devices = [device] if device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):  # the diagnosis draws no number the training would
-                for micro_batch, ids in enumerate(input_ids):
+                for micro_batch, batch in enumerate(batches):
                     position.update(micro_batch=micro_batch, order=0)
-                    self.model(ids.to(device))
+                    self.model(batch["input_ids"].to(device), document_ids_BT=batch.get("document_ids"))
         finally:
             for handle in handles:
                 handle.remove()

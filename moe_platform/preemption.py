@@ -8,7 +8,10 @@ Who is told, and how:
     sbatch template's trap writes the request file `RUN_DIR/.preempt` instead, which every rank reads at the step
     boundary (the run directory is shared by all nodes).
   * At each step boundary the ranks all-reduce (sum) their flags, so all of them stop after the same step: a
-    checkpoint of ZeRO shards needs every rank's save, not rank 0's alone.
+    checkpoint of ZeRO shards needs every rank's save, not rank 0's alone. No rank waits for that sum: it is
+    read at the next boundary, so the ranks stop one step after the first of them knew (a lone process: after
+    the step it knew in), and the flag adds no barrier to the step (a blocking all-reduce would make every rank
+    wait at every boundary for the slowest, on top of the gradients' all-reduce).
 Then every rank writes the checkpoint, rank 0 removes the request file and, under Slurm, requeues the job
 (`scontrol requeue $SLURM_JOB_ID`); the requeued job starts the same script with `resume=auto` in the same run
 directory, so no step is lost or repeated. Slurm counts requeues in SLURM_RESTART_COUNT: past
@@ -33,6 +36,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -55,6 +59,7 @@ class PreemptionWatch:
         self.request_file = Path(run_dir) / REQUEST_FILE
         self.signalled: str | None = None
         self._previous_handlers: dict[int, object] = {}
+        self._sent: tuple[torch.Tensor, Any] | None = None  # the flags summed at the last boundary, in flight
         if not config.enabled:
             return
         if accelerator.is_main_process and self.request_file.exists():
@@ -77,19 +82,33 @@ class PreemptionWatch:
         for watched in self._previous_handlers:
             signal.signal(watched, signal.SIG_DFL)
         if self.accelerator.is_main_process:  # os.write: print() from a handler can hit a half-written stdout buffer
-            message = f"{name}: stopping after this step with a checkpoint (send {name} again to stop at once)\n"
+            when = "this step" if self.accelerator.num_processes == 1 else "the next step"  # see `requested`
+            message = f"{name}: stopping after {when} with a checkpoint (send {name} again to stop at once)\n"
             with contextlib.suppress(OSError):
                 os.write(STDERR, message.encode())
 
     def requested(self) -> bool:
-        """Collective: True on every rank when any rank was signalled or the request file exists."""
+        """Collective, at every step boundary: True on every rank at the same boundary once any rank was signalled
+        or saw the request file, at the boundary after it did when there are several ranks (module docstring)."""
         if not self.config.enabled:
             return False
         local = self.signalled is not None or self.request_file.exists()
         if self.accelerator.num_processes == 1:
             return local
-        flag = torch.tensor([float(local)], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
+        agreed = self._receive()
+        if not agreed:  # the same verdict on every rank: all of them send again, or none
+            flag = torch.tensor([float(local)], device=self.accelerator.device)
+            self._sent = (flag, torch.distributed.all_reduce(flag, async_op=True))
+        return agreed
+
+    def _receive(self) -> bool:
+        """Whether any rank's flag was up at the last boundary (False before the first)."""
+        if self._sent is None:
+            return False
+        flag, work = self._sent
+        self._sent = None
+        work.wait()
+        return bool(flag.item() > 0)
 
     def after_checkpoint(self, step: int, checkpoint: Path) -> str:
         """Rank 0 clears the request and, under Slurm, requeues the job; returns what happened in one line.
@@ -114,7 +133,9 @@ class PreemptionWatch:
         return f"{what}: requeued Slurm job {job_id} (requeue {restarts + 1} of at most {self.config.max_requeues})"
 
     def close(self) -> None:
-        """Put back the handlers that were there before."""
+        """Collective with several ranks: take in the last boundary's sum (a process group must not be torn down
+        under it), then put back the handlers that were there before."""
+        self._receive()
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()

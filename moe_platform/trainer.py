@@ -11,12 +11,15 @@ Per optimizer step, on every rank:
      or halts, naming the first module whose output was non-finite (nan_guard.py)
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks; none in a skipped step)
   5. at the step boundary each rank records the step in the c10d store (liveness.py names a dead or hung rank by it),
-     and the ranks agree whether a preemption signal arrived (one all-reduce of a flag)
+     and the ranks agree whether a preemption signal arrived (an all-reduce of a flag that no rank waits for: its
+     sum is read at the next boundary, preemption.py)
   6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record, and one record per
      routing alert (a layer's MaxVio or drops too high, or an expert dead, for M logs in a row: alerts.py)
   7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint (every rank first checks its weights
      are finite; if not, nothing is written and the run halts: nan_guard.py)
   8. when preempted: log the window, every rank saves, requeue (preemption.py), stop
+One step per run (the second) is measured for peak memory and printed at the end beside the ledger's prediction
+(peak_memory.py); on CPU that step is left out of tokens/s, since the profiler slows it.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -44,6 +48,7 @@ from moe_platform.liveness import Liveness
 from moe_platform.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.model_build import build_model, full_shape
 from moe_platform.nan_guard import NanGuard, NumericalFault, poison_nonfinite
+from moe_platform.peak_memory import PeakMemoryProbe, predict_peak
 from moe_platform.preemption import PreemptionWatch
 from moe_platform.progress import Progress
 from moe_platform.throughput import Throughput
@@ -79,6 +84,7 @@ class LogWindow:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.steps, self.losses, self.grad_norm, self.stats = 0, [], float("nan"), {}
+        self.untimed_steps, self.untimed_s = 0, 0.0
 
     def add(
         self, lm_loss: float, aux_loss: float, grad_norm: float, stats: dict[int, MoEStats], applied: bool = True
@@ -91,6 +97,21 @@ class LogWindow:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        """Over the timed steps; a window of untimed steps only falls back to their own time."""
+        if self.steps > self.untimed_steps:
+            return (self.steps - self.untimed_steps) * tokens_per_step / self.elapsed()
+        return self.steps * tokens_per_step / (self.elapsed() + self.untimed_s)
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """A step inside (one measured under the memory profiler) counts for neither time nor tokens."""
+        begin = time.perf_counter()
+        yield
+        self.untimed_steps += 1
+        self.untimed_s += time.perf_counter() - begin
+        self.start += time.perf_counter() - begin
 
     @contextlib.contextmanager
     def paused(self):
@@ -109,6 +130,15 @@ def optimizer_param_groups(model: torch.nn.Module, config: TrainConfig) -> list[
         {"name": "decay", "params": decay, "weight_decay": config.optim.weight_decay},
         {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def adamw_kernel(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
+    """torch.optim.AdamW's keyword for optim.implementation; "auto" is fused where every parameter's device has the
+    fused kernel (CPU and CUDA do in torch >= 2.4), else foreach."""
+    if implementation == "auto":
+        fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
+        implementation = "fused" if all(p.device.type in fused_devices for p in params) else "foreach"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
 
 
 class Trainer:
@@ -164,6 +194,7 @@ class Trainer:
             precision=config.trainer.precision,
         )
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
+        self.peak_memory = PeakMemoryProbe(accelerator.device)  # one step's peak, beside the ledger's (end of run)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
@@ -176,7 +207,8 @@ class Trainer:
         with Progress(trainer.max_steps, self.state.step, enabled=self._show_progress()) as progress:
             window = LogWindow()
             while self.state.step < end_step:
-                window.add(*self.train_step(train_batches))
+                with self.peak_memory.around_step(window):  # measures one step: peak bytes vs the ledger
+                    window.add(*self.train_step(train_batches))
                 self.state.step += 1
                 self.state.tokens_seen += self.tokens_per_step
                 self.liveness.step_done(self.state.step)  # names this rank's last step if another one waits on it
@@ -231,10 +263,12 @@ class Trainer:
         step = self.state.step + 1  # the step being run, as faults.py counts
         for _ in range(self.grad_accum):
             batch = next(batches)
-            inputs.append(batch["input_ids"])  # kept to find where a NaN began, should one appear
+            inputs.append(batch)  # kept to find where a NaN began, should one appear
             with self.accelerator.accumulate(self.model):
                 faults.point("forward", step)
-                output = self.model(batch["input_ids"].to(self.accelerator.device))
+                output = self.model(
+                    batch["input_ids"].to(self.accelerator.device), document_ids_BT=batch.get("document_ids")
+                )
                 labels = batch["labels"].to(self.accelerator.device)
                 lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
                 faults.point("backward", step)
@@ -263,7 +297,8 @@ class Trainer:
         groups = expert_parallel.optimizer_param_groups(
             optimizer_param_groups(model, self.config), self.expert_groups, self._deepspeed
         )
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        kernel = adamw_kernel(optim.implementation, [p for group in groups for p in group["params"]])
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
 
     def _clip_gradients(self) -> float:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
@@ -283,7 +318,8 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         for batch in self.data.val:
-            logits = self.model(batch["input_ids"].to(self.accelerator.device)).logits
+            ids = batch["input_ids"].to(self.accelerator.device)
+            logits = self.model(ids, document_ids_BT=batch.get("document_ids")).logits
             labels = batch["labels"].to(self.accelerator.device)
             loss_sum += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").double()
             tokens += labels.numel()
@@ -314,12 +350,15 @@ class Trainer:
         self.checkpointer.set_aside_later_than(self.state.step)
 
     def _log(self, window: LogWindow) -> dict[str, Any]:
+        # When this log began, in UTC: stamps of two logs bound whole steps and one whole log (bench/trainer_overhead).
+        now = datetime.now(timezone.utc).isoformat()
         window_losses = window.losses or [(math.nan, math.nan)]  # every step of the window skipped (nan_guard.py)
         losses = torch.tensor(window_losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
         losses = self.accelerator.reduce(losses, reduction="mean")
-        tokens_per_s = window.steps * self.tokens_per_step / window.elapsed()
+        tokens_per_s = window.tokens_per_s(self.tokens_per_step)
         record: dict[str, Any] = {
             "step": self.state.step,
+            "time": now,
             "loss": float(losses[0]),
             "aux_loss": float(losses[1]),
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -393,6 +432,8 @@ class Trainer:
             dp_size=self.accelerator.num_processes,
             ep_size=config.distributed.expert_parallel_size,
             grad_accum=self.grad_accum,
+            checkpointing=config.trainer.activation_checkpointing,
+            attention_mask=config.data.document_mask,
         )
         lines = [
             f"run dir: {self.run_dir}",
@@ -416,7 +457,19 @@ class Trainer:
         floor = self.data.entropy_floor
         if floor is not None and "eval/loss" in last:
             line += f"; entropy floor {floor:.4f} (eval loss is {100 * (last['eval/loss'] / floor - 1):+.1f}% above)"
-        print(line, flush=True)
+        config = self.config
+        predicted = predict_peak(
+            config.model,
+            config.trainer.micro_batch_size,
+            config.data.seq_len,
+            config.trainer.precision,
+            config.trainer.activation_checkpointing,
+            config.distributed.zero_stage,
+            self.accelerator.num_processes,
+            config.distributed.expert_parallel_size,
+            attention_mask=config.data.document_mask,
+        )
+        print(line + "\n" + self.peak_memory.describe(predicted), flush=True)
 
 
 def _moe_stats(output) -> dict[int, MoEStats]:

@@ -109,9 +109,10 @@ def test_forward_flops_equal_torchs_flop_counter(overrides: dict) -> None:
     assert counter.get_total_flops() == B * T * matmul_flops_per_token(config, seq_len=T).forward
 
 
-def test_format_ledger_prints_four_tables_with_assumptions() -> None:
+def test_format_ledger_prints_five_tables_with_assumptions() -> None:
     text = format_ledger(ModelConfig(), RunShape(precision="bf16", zero_stage=2, dp_size=4))
-    for title in ("Parameters", "Training state per rank", "KV cache", "Matmul FLOPs per token"):
+    titles = ("Parameters", "Training state per rank", "Activations per micro-batch", "KV cache", "Matmul FLOPs")
+    for title in titles:
         assert title in text
     assert "fp32 master" in text and "ZeRO-2" in text and "2 · B · L · S · H_kv · d_h · s" in text
 

@@ -1,0 +1,321 @@
+"""What our trainer costs over a bare PyTorch loop: `moe-train` against the loop a person would write, per mode.
+
+    .venv/bin/python bench/trainer_overhead.py --rounds 5                  # single, ddp (2 ranks), zero2 (2 ranks)
+    .venv/bin/python bench/trainer_overhead.py --rounds 3 --modes ddp --steps 40
+
+Each round runs, per mode, both contenders back to back (their order alternates between rounds), launched as users
+launch them: `moe-train` directly (single) or through `torchrun --nproc_per_node=2` on 127.0.0.1 (distributed=ddp,
+distributed=zero2, gloo on CPU); the bare loop is this file started the same way with `--bare MODE`. Both train the
+same model (built from the same composed config with the same seeds), on the same micro-batches (the bare loop
+takes them from the same synthetic loader, read into memory before timing), with the same torch AdamW (the
+trainer's parameter groups and hyper-parameters, the same learning rate per step), the same gradient accumulation
+(global batch / (micro batch × ranks)), the same clipping and the same aux-loss-free bias update. The bare loops:
+  single  forward → loss / accumulation → backward per micro-batch; clip_grad_norm_, step, zero_grad
+  ddp     the model in torch's DistributedDataParallel, `no_sync()` on all but the last micro-batch
+  zero2   `deepspeed.initialize` with the DeepSpeed config the trainer builds (distributed.deepspeed_config), then
+          engine.backward / engine.step per micro-batch, no Accelerate
+The trainer logs to metrics.jsonl only (no progress bar, no wandb/TensorBoard), evaluates only after the loop and
+saves no checkpoint.
+
+What is timed: steady-state wall time per optimizer step, from the end of step `--warmup` to the end of step
+`--warmup + --steps`, in windows of `--log-every` steps (the trainer's default 20). Every bound is read inside the
+running process, so start-up (imports, Hydra, data, model and process-group set-up, the ledger) and the final
+evaluation stay out. On the trainer's side the bounds are the `time` stamps of its log records: each is taken as a
+log begins, so a window holds exactly `--log-every` whole steps and one whole log (reductions, the record, the
+sink), with every per-step cost (liveness, the preemption flag, the NaN guard, the statistics). The record's own
+`tokens_per_s` would not do: it times the steps of a window but not the log between windows. Timing two whole
+runs of different lengths from outside would, but it subtracts two start-ups of several seconds each, whose noise
+is as large as what is measured. The bare loop reads perf_counter at the same steps.
+
+Printed: per mode, ms per step of each contender in its median window and the ratio trainer / bare, median and
+range over the rounds (each ratio from the two runs of one round), and the same ratio from each run's fastest
+window (other jobs on the machine only ever add time; measured here: one window of a loaded run at 10x the
+others). Goal: ratio ≤ 1.05.
+
+Threads: by default all cores for one process, shared out among 2 ranks. On a machine others load, use
+`--threads 1`: a second OpenMP thread spins against the other jobs (measured here: steps of seconds instead of
+0.3 s). There the share of the cores each run gets also drifts over the minutes between two back-to-back runs,
+and ratios scatter by ±50% (measured); `--concurrent --threads 1` runs the two contenders at the same time, so
+that drift hits both alike: a check that no large overhead hides in the noise, not the figure a quiet machine
+gives (two 2-rank runs at once put four processes on the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from itertools import islice, pairwise
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script, this folder would come first and shadow nothing; be explicit
+BIN = Path(sys.executable).parent
+MODES = {"single": 1, "ddp": 2, "zero2": 2}
+
+
+def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
+    """The Hydra overrides both contenders compose their config from (the trainer's own defaults otherwise)."""
+    return [
+        f"distributed={mode}",
+        "logging=jsonl",
+        "logging.progress_bar=false",
+        f"trainer.max_steps={args.warmup + args.steps}",
+        f"trainer.log_every={args.log_every}",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.save_final=false",
+        *args.overrides,
+    ]
+
+
+def launch(mode: str, program: list[str]) -> list[str]:
+    if MODES[mode] == 1:
+        return program
+    from moe_platform.distributed import free_port
+
+    return [
+        str(BIN / "torchrun"), f"--nproc_per_node={MODES[mode]}", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", "--no-python", *program,
+    ]  # fmt: skip
+
+
+def child_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # Both contenders get the same threads: by default all cores for one process, shared out among ranks.
+    threads = args.threads or max(1, (os.cpu_count() or 1) // MODES[mode])
+    env.update({"OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)})
+    return env
+
+
+def run_trainer(args: argparse.Namespace, mode: str) -> list[dict]:
+    """`moe-train`'s training records (metrics.jsonl without eval records or alerts)."""
+    with tempfile.TemporaryDirectory(prefix="bench_trainer_") as run_dir:
+        program = [str(BIN / "moe-train"), *run_overrides(args, mode), f"hydra.run.dir={run_dir}"]
+        result = subprocess.run(launch(mode, program), capture_output=True, text=True, env=child_env(args, mode))
+        if result.returncode != 0:
+            raise RuntimeError(f"moe-train ({mode}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "tokens_per_s" in r]
+
+
+def window_steps(args: argparse.Namespace) -> list[int]:
+    """The steps that bound the timed log windows: warm-up's end, then every log up to the last timed step."""
+    return list(range(args.warmup, args.warmup + args.steps + 1, args.log_every))
+
+
+def per_window(stamps: dict[int, float], bounds: list[int]) -> list[float]:
+    """Seconds per step in each window between consecutive `bounds`."""
+    return [(stamps[b] - stamps[a]) / (b - a) for a, b in pairwise(bounds)]
+
+
+def seconds_per_step(records: list[dict], bounds: list[int]) -> list[float]:
+    """Per window between the logs of consecutive `bounds`, wall seconds per step (the records' `time` stamps)."""
+    return per_window({r["step"]: datetime.fromisoformat(r["time"]).timestamp() for r in records}, bounds)
+
+
+def time_trainer(args: argparse.Namespace, mode: str) -> list[float]:
+    """Seconds per optimizer step of `moe-train`, per timed log window."""
+    return seconds_per_step(run_trainer(args, mode), window_steps(args))
+
+
+def time_bare(args: argparse.Namespace, mode: str) -> list[float]:
+    """Seconds per optimizer step of the bare loop (this file with --bare, launched like the trainer), per window."""
+    with tempfile.TemporaryDirectory(prefix="bench_bare_") as out:
+        program = [sys.executable, str(Path(__file__).resolve()), "--bare", mode, "--out", f"{out}/t.json"]
+        program += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--log-every", str(args.log_every)]
+        program += ["--", *args.overrides]
+        result = subprocess.run(launch(mode, program), capture_output=True, text=True, env=child_env(args, mode))
+        if result.returncode != 0:
+            raise RuntimeError(f"bare loop ({mode}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        return json.loads(Path(out, "t.json").read_text())["window_s_per_step"]
+
+
+# ---- the bare loop (one process of it) ------------------------------------------------------------------------------
+
+
+def bare_loop(args: argparse.Namespace) -> list[float]:
+    """Trains as the module docstring says; rank 0 writes the seconds per step of each window and the losses to
+    `args.out` (when given). Returns the LM loss of each step: the mean over micro-batches and ranks, which is what
+    the trainer logs for a step (with trainer.log_every=1)."""
+    import torch
+    import torch.nn.functional as F
+    from hydra import compose, initialize_config_dir
+
+    from data_pipeline import build_loaders
+    from moe.moe_layer import update_balancing_biases
+    from moe_platform import trainer
+    from moe_platform.cli import CONF_DIR, register_configs
+    from moe_platform.config import to_train_config, validate_launch, world_size_from_env
+    from moe_platform.distributed import deepspeed_config
+    from moe_platform.model_build import build_model
+
+    mode = args.bare
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        config = to_train_config(compose(config_name="train", overrides=run_overrides(args, mode)))
+    world = world_size_from_env()
+    accum = validate_launch(config, world, torch.cuda.is_available())
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
+    loaders = build_loaders(
+        config.data,
+        rank=rank,
+        world_size=world,
+        micro_batch_size=config.trainer.micro_batch_size,
+        model_vocab_size=config.model.vocab_size,
+    )
+    total = args.warmup + args.steps
+    batches = [(b["input_ids"], b["labels"], b.get("document_ids")) for b in islice(loaders.train, total * accum)]
+
+    # The trainer's model build (seeds, trainer.activation_checkpointing, trainer.compile) needs only the rank
+    # from an Accelerator outside ZeRO-3, which this bench does not run.
+    model = build_model(config, SimpleNamespace(process_index=rank))
+    optim = config.optim
+    groups = trainer.optimizer_param_groups(model, config)
+    kernel = {}  # the trainer's AdamW kernel choice (optim.implementation), where this version has one
+    if hasattr(trainer, "adamw_kernel"):
+        kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+    engine = model
+    if mode == "ddp":
+        engine = torch.nn.parallel.DistributedDataParallel(model)
+    elif mode != "single":
+        import deepspeed
+
+        ds_config = deepspeed_config(config, accum, world)
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    max_norm = optim.grad_clip or float("inf")
+
+    def loss_of(ids, labels, documents):
+        # document_ids only where the loader gives them (data.document_mask), as the trainer passes them on.
+        output = engine(ids) if documents is None else engine(ids, document_ids_BT=documents)
+        lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
+        lm_losses.append(lm_loss.detach())  # read after the timing: no host sync inside the loop
+        return lm_loss + output.aux_loss
+
+    stamps, lm_losses, bounds = {}, [], window_steps(args)
+    for step in range(total):
+        for group in optimizer.param_groups:
+            group["lr"] = optim.lr_at(step, config.trainer.max_steps)
+        for i in range(accum):
+            batch = batches[step * accum + i]
+            if mode in ("single", "ddp"):
+                last = i == accum - 1
+                with contextlib.nullcontext() if last or mode == "single" else engine.no_sync():
+                    (loss_of(*batch) / accum).backward()
+            else:  # DeepSpeed scales by the accumulation, all-reduces, clips and steps at the boundary itself
+                engine.backward(loss_of(*batch))
+                engine.step()
+        if mode in ("single", "ddp"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        update_balancing_biases(model)
+        if step + 1 in bounds:
+            stamps[step + 1] = time.perf_counter()
+    losses = torch.stack(lm_losses).view(total, accum).mean(dim=1).double()
+    if world > 1:  # the mean over ranks, as the trainer's records hold it
+        torch.distributed.all_reduce(losses)
+        losses /= world
+        torch.distributed.destroy_process_group()
+    if rank == 0 and args.out:
+        record = {"window_s_per_step": per_window(stamps, bounds), "loss_per_step": losses.tolist()}
+        Path(args.out).write_text(json.dumps(record))
+    return losses.tolist()
+
+
+# ---- the comparison -------------------------------------------------------------------------------------------------
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default="single,ddp,zero2", help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--warmup", type=int, default=20, help="steps before the timed window (a log step)")
+    parser.add_argument("--steps", type=int, default=80, help="timed steps (a multiple of --log-every)")
+    parser.add_argument("--log-every", type=int, default=20, help="trainer.log_every (the trainer's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per process (default: the cores over the ranks)"
+    )
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the two contenders at the same time (a loaded machine: see the module docstring)",
+    )
+    parser.add_argument("--bare", choices=list(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both contenders (after --)")
+    args = parser.parse_args()
+    if args.warmup % args.log_every or args.steps % args.log_every:
+        parser.error("--warmup and --steps must be multiples of --log-every (the trainer stamps its log steps)")
+    if args.bare:
+        bare_loop(args)
+        # As moe-train leaves (cli.py): Python's teardown can abort while gloo's threads still run (measured here:
+        # "terminate called without an active exception" after the results were written).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}: choose from {list(MODES)}")
+    # Per round and mode: each contender's ms/step in its median log window and in its fastest one (interference
+    # from other jobs only ever adds time); ratios from the two runs of the same round.
+    keys = ("trainer", "bare", "ratio", "trainer_fast", "bare_fast", "ratio_fast")
+    results = {mode: {key: [] for key in keys} for mode in modes}
+    for round_ in range(args.rounds):
+        for mode in modes:
+            contenders = [("trainer", time_trainer), ("bare", time_bare)]
+            if args.concurrent:  # both at once: whatever else loads the machine loads both alike
+                with ThreadPoolExecutor(2) as pool:
+                    futures = {name: pool.submit(fn, args, mode) for name, fn in contenders}
+                    windows = {name: future.result() for name, future in futures.items()}
+            else:
+                order = contenders if round_ % 2 == 0 else contenders[::-1]
+                windows = {name: fn(args, mode) for name, fn in order}
+            r = results[mode]
+            for name, seconds in windows.items():
+                r[name].append(1e3 * statistics.median(seconds))  # one stalled window does not sway it
+                r[f"{name}_fast"].append(1e3 * min(seconds))
+            r["ratio"].append(r["trainer"][-1] / r["bare"][-1])
+            r["ratio_fast"].append(r["trainer_fast"][-1] / r["bare_fast"][-1])
+            print(
+                f"round {round_ + 1}/{args.rounds} {mode:6s}: ms/step trainer {r['trainer'][-1]:7.1f} "
+                f"(fastest window {r['trainer_fast'][-1]:7.1f}), bare {r['bare'][-1]:7.1f} "
+                f"({r['bare_fast'][-1]:7.1f}); ratio {r['ratio'][-1]:.3f} (fastest windows {r['ratio_fast'][-1]:.3f})",
+                flush=True,
+            )
+    print(
+        f"\nms per optimizer step, steps {args.warmup + 1}–{args.warmup + args.steps} (windows of {args.log_every} "
+        f"steps, one log each), median [min–max] over {args.rounds} rounds; goal trainer / bare ≤ 1.05"
+    )
+    print(f"{'mode':16s} {'moe-train':>21s} {'bare loop':>21s} {'trainer / bare':>21s} {'fastest windows':>21s}")
+    for mode, r in results.items():
+        ranks = f"{mode} ({MODES[mode]} rank{'s' if MODES[mode] > 1 else ''})"
+        print(
+            f"{ranks:16s} {spread(r['trainer'], '.1f'):>21s} {spread(r['bare'], '.1f'):>21s} "
+            f"{spread(r['ratio'], '.3f'):>21s} {spread(r['ratio_fast'], '.3f'):>21s}"
+        )
+
+
+if __name__ == "__main__":
+    main()
