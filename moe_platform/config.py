@@ -164,6 +164,9 @@ class LoggingConfig:
     alert_maxvio: float = 1.0
     alert_drop_frac: float = 0.2
     alert_consecutive_logs: int = 3
+    # Measure one training step's peak memory (a run's second) and print it beside the ledger's prediction at the
+    # end (moe_platform/peak_memory.py); on CPU that step runs under torch.profiler, several times slower.
+    peak_memory: bool = True
 
     def __post_init__(self) -> None:
         _require(

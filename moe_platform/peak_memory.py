@@ -144,8 +144,9 @@ class PeakMemoryProbe:
 
     MEASURED_CALL = 2
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, enabled: bool = True) -> None:
         self.device = torch.device(device)
+        self.enabled = enabled
         self.calls = 0
         self.result: PeakMemory | None = None
 
@@ -154,7 +155,7 @@ class PeakMemoryProbe:
         """Measure this step if it is the chosen one. On CPU the profiler slows the step several times over, so a
         measured step is taken out of `window`'s tokens/s (`LogWindow.untimed`); on GPU reading the counter is free."""
         self.calls += 1
-        if self.calls != self.MEASURED_CALL or self.device.type not in ("cpu", "cuda"):
+        if not self.enabled or self.calls != self.MEASURED_CALL or self.device.type not in ("cpu", "cuda"):
             yield
             return
         untimed = window.untimed() if window is not None and self.device.type == "cpu" else contextlib.nullcontext()

@@ -194,7 +194,8 @@ class Trainer:
             precision=config.trainer.precision,
         )
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
-        self.peak_memory = PeakMemoryProbe(accelerator.device)  # one step's peak, beside the ledger's (end of run)
+        # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
+        self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
@@ -458,6 +459,9 @@ class Trainer:
         if floor is not None and "eval/loss" in last:
             line += f"; entropy floor {floor:.4f} (eval loss is {100 * (last['eval/loss'] / floor - 1):+.1f}% above)"
         config = self.config
+        if not config.logging.peak_memory:
+            print(line, flush=True)
+            return
         predicted = predict_peak(
             config.model,
             config.trainer.micro_batch_size,

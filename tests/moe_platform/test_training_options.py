@@ -17,11 +17,17 @@ def losses(run_dir: Path) -> list[tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[tuple[float, float]]:
-    """moe_tiny with bias balancing and router jitter, no checkpointing, the default AdamW kernel (fused on CPU)."""
+def reference_run(tmp_path_factory) -> tuple[list[tuple[float, float]], str]:
+    """moe_tiny with bias balancing and router jitter, no checkpointing, the default AdamW kernel (fused on CPU),
+    measuring one step's peak memory: (losses and grad norms, stdout)."""
     run_dir = tmp_path_factory.mktemp("reference")
-    moe_train(run_dir, *STEPS, *NOISY_ROUTING)
-    return losses(run_dir)
+    result = moe_train(run_dir, *STEPS, *NOISY_ROUTING, "logging.peak_memory=true")
+    return losses(run_dir), result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[tuple[float, float]]:
+    return reference_run[0]
 
 
 NOISY_ROUTING = ["model.moe.router.bias_update_rate=1e-3", "model.moe.router.jitter_eps=0.05"]
@@ -44,6 +50,15 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path: Path, reference) -> Non
     moe_train(tmp_path, *STEPS, *NOISY_ROUTING, "trainer.compile=true", timeout=600)
     for (loss, norm), (ref_loss, ref_norm) in zip(losses(tmp_path), reference, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-3)
+
+
+def test_a_run_prints_its_measured_peak_memory_beside_the_ledgers(reference_run) -> None:
+    """The reference run measured its second step under the profiler (its losses equal the unmeasured runs', which
+    the checkpointing tests above assert bit for bit), and measured / predicted lies within the ledger's 20%."""
+    stdout = reference_run[1]
+    line = next(line for line in stdout.splitlines() if line.startswith("peak memory per rank"))
+    ratio = float(line.rsplit("measured / predicted = ", 1)[1])
+    assert 0.8 <= ratio <= 1.2, line
 
 
 def test_auto_picks_the_fused_kernel_where_the_device_has_it() -> None:
