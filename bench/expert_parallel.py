@@ -46,7 +46,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moe.expert_parallel as moe_ep
-from moe.dispatch import expert_capacity, plan_dispatch
 from moe.ffn import FeedForward
 from moe.moe_config import MoEConfig
 from moe.moe_layer import MoELayer
@@ -103,18 +102,8 @@ def off_rank(expert_ids: torch.Tensor, ep_rank: int, num_experts: int) -> torch.
 @torch.no_grad()
 def our_routing(layer: MoELayer, x_BTD: torch.Tensor, ep_rank: int) -> tuple[int, int, int]:
     """(off-rank kept assignments, distinct off-rank (token, destination rank) pairs, kept assignments) on x."""
-    cfg, x_ND = layer.config, x_BTD.reshape(-1, x_BTD.shape[-1])
-    route = layer.router(x_ND)
-    capacity = expert_capacity(
-        x_ND.shape[0],
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor,
-        min_capacity=cfg.min_capacity,
-    )
-    plan = plan_dispatch(
-        route.topk_ids_NK, route.gates_NK, num_experts=cfg.num_experts, capacity=capacity, drop_policy=cfg.drop_policy
-    )
+    cfg = layer.config
+    _, plan, _ = layer.route_and_plan(x_BTD.reshape(-1, x_BTD.shape[-1]))
     expert_A = torch.arange(cfg.num_experts).repeat_interleave(plan.tokens_per_expert_after_E)
     away_A = off_rank(expert_A, ep_rank, cfg.num_experts)
     dest_A = expert_A.div(cfg.num_experts // EP, rounding_mode="floor")

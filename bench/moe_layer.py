@@ -44,7 +44,6 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.dispatch import expert_capacity, plan_dispatch
 from moe.ffn import FeedForward
 from moe.moe_config import MoEConfig
 from moe.moe_layer import MoELayer
@@ -84,8 +83,7 @@ def build_ours(d_model: int, config: MoEConfig, activation: str) -> tuple[MoELay
 def build_experts_only(layer: MoELayer, x_BTD: torch.Tensor) -> tuple[nn.Module, Callable, torch.Tensor]:
     """The layer's expert matmuls alone, on the rows its routing of x_BTD dispatches (fixed, precomputed)."""
     x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-    route = layer.router(x_ND)
-    plan = plan_dispatch(route.topk_ids_NK, route.gates_NK, num_experts=layer.config.num_experts)
+    _, plan, _ = layer.route_and_plan(x_ND)  # the dropless layer: every assignment kept
     x_AD, sizes = x_ND[plan.token_ids_A], plan.tokens_per_expert_after
     layer.router.zero_grad(set_to_none=True)
     return layer.experts, lambda x: [layer.experts(x_AD.requires_grad_(), sizes)], torch.randn_like(x_AD)
@@ -136,19 +134,7 @@ def build_deepspeed(ours: MoELayer, d_model: int, d_ff: int, num_experts: int, t
 @torch.no_grad()
 def kept_pairs_ours(layer: MoELayer, x_BTD: torch.Tensor) -> tuple[set[tuple[int, int]], int]:
     """The (token, expert) pairs our capped layer computes, and the rows it computes (= kept assignments)."""
-    x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-    cfg = layer.config
-    route = layer.router(x_ND)
-    capacity = expert_capacity(
-        x_ND.shape[0],
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        capacity_factor=cfg.capacity_factor,
-        min_capacity=cfg.min_capacity,
-    )
-    plan = plan_dispatch(
-        route.topk_ids_NK, route.gates_NK, num_experts=cfg.num_experts, capacity=capacity, drop_policy=cfg.drop_policy
-    )
+    route, plan, _ = layer.route_and_plan(x_BTD.reshape(-1, x_BTD.shape[-1]))
     experts_A = route.topk_ids_NK.reshape(-1)[plan.assignment_ids_A]
     pairs = set(zip(plan.token_ids_A.tolist(), experts_A.tolist(), strict=True))
     return pairs, sum(plan.tokens_per_expert_after)

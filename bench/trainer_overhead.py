@@ -186,9 +186,7 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     model = build_model(config, SimpleNamespace(process_index=rank))
     optim = config.optim
     groups = trainer.optimizer_param_groups(model, config)
-    kernel = {}  # the trainer's AdamW kernel choice (optim.implementation), where this version has one
-    if hasattr(trainer, "adamw_kernel"):
-        kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))
+    kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))  # the trainer's AdamW kernel
     optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
     engine = model
     if mode == "ddp":

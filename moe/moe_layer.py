@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.dispatch import combine, dispatch, expert_capacity, plan_dispatch
+from moe.dispatch import DispatchPlan, combine, dispatch, expert_capacity, plan_dispatch
 from moe.expert_parallel import ExpertParallel
 from moe.experts import GroupedExperts
 from moe.ffn import FeedForward
 from moe.losses import global_load_balancing_loss, load_balancing_loss, router_z_loss
 from moe.moe_config import MoEConfig
-from moe.router import TopKRouter
+from moe.router import RouterOutput, TopKRouter
 from moe.stats import MoEStats, collect_stats
 
 
@@ -103,24 +103,7 @@ class MoELayer(nn.Module):
             group_ids_N = group_ids_N.index_select(0, real_N) if group_ids_N is not None else None
         num_tokens = x_ND.shape[0]
 
-        route = self.router(x_ND)
-        capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
-        capacity = None
-        if capacity_factor is not None:
-            capacity = expert_capacity(
-                num_tokens,
-                num_experts=cfg.num_experts,
-                top_k=cfg.top_k,
-                capacity_factor=capacity_factor,
-                min_capacity=cfg.min_capacity,
-            )
-        plan = plan_dispatch(
-            route.topk_ids_NK,
-            route.gates_NK,
-            num_experts=cfg.num_experts,
-            capacity=capacity,
-            drop_policy=cfg.drop_policy,
-        )
+        route, plan, capacity = self.route_and_plan(x_ND)
         x_AD = dispatch(x_ND, plan)
         if self.expert_parallel is None:
             y_AD = self.experts(x_AD, plan.tokens_per_expert_after)
@@ -144,6 +127,30 @@ class MoELayer(nn.Module):
         if real_N is not None:
             out_ND = out_ND.new_zeros(B * T, D).index_copy(0, real_N, out_ND)
         return MoEOutput(out_ND.view(B, T, D), aux_loss, z_loss, stats)
+
+    def route_and_plan(self, x_ND: torch.Tensor) -> tuple[RouterOutput, DispatchPlan, int | None]:
+        """Route the tokens and plan their dispatch under this mode's capacity (`capacity_factor` in training,
+        `eval_capacity_factor` in eval; None: dropless): (router output, plan, capacity C or None)."""
+        cfg = self.config
+        route = self.router(x_ND)
+        capacity_factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        capacity = None
+        if capacity_factor is not None:
+            capacity = expert_capacity(
+                x_ND.shape[0],
+                num_experts=cfg.num_experts,
+                top_k=cfg.top_k,
+                capacity_factor=capacity_factor,
+                min_capacity=cfg.min_capacity,
+            )
+        plan = plan_dispatch(
+            route.topk_ids_NK,
+            route.gates_NK,
+            num_experts=cfg.num_experts,
+            capacity=capacity,
+            drop_policy=cfg.drop_policy,
+        )
+        return route, plan, capacity
 
     def update_balancing_bias(self, group: dist.ProcessGroup | None = None) -> None:
         """One aux-loss-free bias step from the loads since the last call; call once per optimizer step."""

@@ -108,10 +108,10 @@ class LogWindow:
     def untimed(self):
         """A step inside (one measured under the memory profiler) counts for neither time nor tokens."""
         begin = time.perf_counter()
-        yield
+        with self.paused():
+            yield
         self.untimed_steps += 1
         self.untimed_s += time.perf_counter() - begin
-        self.start += time.perf_counter() - begin
 
     @contextlib.contextmanager
     def paused(self):
