@@ -58,17 +58,21 @@ def grouped_attention(
     mask: torch.Tensor | None = None,
     is_causal: bool = False,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(QKᵀ/√d + M)V with query head h reading KV head h // (H / K); returns (B, H, T, d).
+    """softmax(QKᵀ·scale + M)V with query head h reading KV head h // (H / K); returns (B, H, T, d_v).
 
-    A query row whose mask allows no key has no softmax distribution; it is an error, not a silent NaN or a
-    uniform average.
+    `mask` is boolean (True = may attend) or additive (a float bias, -inf = may not attend: ALiBi); `scale`
+    defaults to 1/√d of the query width. A query row whose mask allows no key has no softmax distribution; it is
+    an error, not a silent NaN or a uniform average.
     """
     n_heads, n_kv_heads = q_BHTd.shape[1], k_BKSd.shape[1]
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads: use a divisor")
-    if mask is not None and not bool(mask.any(dim=-1).all()):
-        raise ValueError("attention mask leaves a query row with no visible key: every real query must see a key")
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+        if not bool(allowed.any(dim=-1).all()):
+            raise ValueError("attention mask leaves a query row with no visible key: every real query must see a key")
     return F.scaled_dot_product_attention(
         q_BHTd,
         k_BKSd,
@@ -77,6 +81,7 @@ def grouped_attention(
         is_causal=is_causal and mask is None,
         dropout_p=dropout_p,
         enable_gqa=n_kv_heads != n_heads,
+        scale=scale,
     )
 
 

@@ -5,14 +5,16 @@ Hydra override fails at start-up instead of deep inside a matmul. Types are plai
 so Hydra's ConfigStore can hold the dataclass as a structured config.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from moe.errors import ModelConfigError
 from moe.ffn import ffn_num_params
+from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig
 
-POS_ENCODINGS = ("learned", "rope")
+ATTENTIONS = ("gqa", "mla")
+POS_ENCODINGS = ("learned", "rope", "alibi")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
 
@@ -25,7 +27,11 @@ def _require(condition: bool, message: str) -> None:
 @dataclass
 class ModelConfig:
     """A decoder-only transformer; `moe=None` is a dense model, otherwise `moe.first_dense_layers` and
-    `moe.moe_layer_interval` pick the MoE layers."""
+    `moe.moe_layer_interval` pick the MoE layers.
+
+    attention="gqa" covers MHA, GQA and MQA (by n_kv_heads); "mla" is multi-head latent attention, shaped by `mla`
+    (moe/mla.py), which has no KV heads to group and needs RoPE for its decoupled position branch.
+    """
 
     vocab_size: int = 258
     d_model: int = 128
@@ -33,6 +39,8 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: Optional[int] = None  # None = n_heads (MHA); 1 = MQA; a divisor in between = GQA
     head_dim: Optional[int] = None  # None = d_model // n_heads
+    attention: str = "gqa"
+    mla: MLAConfig = field(default_factory=MLAConfig)
     d_ff: int = 512
     max_seq_len: int = 256
     pos_encoding: str = "rope"
@@ -51,6 +59,17 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"model.{name}={value!r} must be a positive integer")
+        _require(
+            self.attention in ATTENTIONS,
+            f"model.attention={self.attention!r} is unknown: use one of {ATTENTIONS} (gqa covers MHA/GQA/MQA)",
+        )
+        if isinstance(self.mla, dict):  # e.g. ModelConfig(**yaml_dict); Hydra itself passes an MLAConfig
+            self.mla = MLAConfig(**self.mla)
+        _require(
+            self.attention != "mla" or self.n_kv_heads in (None, self.n_heads),
+            f"model.n_kv_heads={self.n_kv_heads} has no meaning under model.attention=mla (every head reads the "
+            "shared latent): leave n_kv_heads unset",
+        )
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         _require(
@@ -80,11 +99,19 @@ class ModelConfig:
             self.activation in ACTIVATIONS,
             f"model.activation={self.activation!r} is unknown: use one of {ACTIVATIONS}",
         )
-        if self.pos_encoding == "rope":
+        if self.attention == "mla":
+            _require(
+                self.pos_encoding == "rope",
+                f"model.attention=mla carries positions in its decoupled RoPE branch, not "
+                f"model.pos_encoding={self.pos_encoding!r}: set model.pos_encoding=rope",
+            )
+            self.mla.resolve(self.head_dim)
+        if self.pos_encoding == "rope" and self.attention == "gqa":
             _require(
                 self.head_dim % 2 == 0,
                 f"model.head_dim={self.head_dim} is odd but RoPE rotates coordinate pairs: use an even head_dim",
             )
+        if self.pos_encoding == "rope":
             _require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be positive, e.g. 10000")
         _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must lie in [0, 1)")
@@ -95,6 +122,11 @@ class ModelConfig:
                 f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no MoE layer in a {self.n_layers}-layer "
                 "model: lower first_dense_layers or set model.moe=null for a dense model",
             )
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: each head under GQA, the decoupled position branch under MLA."""
+        return self.mla.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -135,11 +167,36 @@ class ParameterCount:
 
 
 def attention_num_params(config: ModelConfig) -> int:
-    """One layer: W_Q, W_O are D×H·d_h; W_K, W_V are D×H_kv·d_h (seed 000: 2d² + 2d·h_kv·d_h without bias)."""
+    """One layer: W_Q, W_O are D×H·d_h; W_K, W_V are D×H_kv·d_h (seed 000: 2d² + 2d·h_kv·d_h without bias).
+    MLA: `mla_num_params`."""
+    if config.attention == "mla":
+        return mla_num_params(config)
     q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
     weights = 2 * config.d_model * q_width + 2 * config.d_model * kv_width
     biases = (q_width + 2 * kv_width + config.d_model) if config.attention_bias else 0
     return weights + biases
+
+
+def mla_num_params(config: ModelConfig) -> int:
+    """One MLA layer (moe/mla.py): queries D·H·(n+r), or through a latent D·Q + Q (its RMSNorm) + Q·H·(n+r);
+    W_DKV and W_KR D·(C+r); the latent's RMSNorm C; W_UK and W_UV C·H·(n+v); W_O H·v·D. Biases (attention_bias)
+    on the down projections and W_O only, as DeepSeek-V3."""
+    mla, D, H = config.mla, config.d_model, config.n_heads
+    q_width = H * mla.qk_head_dim
+    if mla.q_lora_rank is None:
+        query = D * q_width
+    else:
+        query = D * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * q_width
+    kv = (
+        D * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+        + mla.kv_lora_rank
+        + mla.kv_lora_rank * H * (mla.qk_nope_head_dim + mla.v_head_dim)
+    )
+    out = H * mla.v_head_dim * D
+    biases = 0
+    if config.attention_bias:
+        biases = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim + D
+    return query + kv + out + biases
 
 
 def norm_num_params(config: ModelConfig) -> int:

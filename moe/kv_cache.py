@@ -46,3 +46,48 @@ class KVCache:
     def advance(self, n_positions: int) -> None:
         """Called once per forward, after every layer has written its K/V for the step."""
         self.length += n_positions
+
+
+class LatentKVCache:
+    """Multi-head latent attention's cache (moe/mla.py): per layer only the content latent c (d_c) and the shared
+    position key k_r (d_r) of each position, shapes (L, B, S_max, d_c) and (L, B, S_max, d_r):
+
+        bytes = B · L · S · (d_c + d_r) · s        (seed 001; the per-head keys and values are never stored)
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        latent_dim: int,
+        rope_dim: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.latent_LBSC = torch.zeros((n_layers, batch_size, max_len, latent_dim), dtype=dtype, device=device)
+        self.k_rope_LBSr = torch.zeros((n_layers, batch_size, max_len, rope_dim), dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # positions already written, i.e. the absolute position of the next token
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.latent_LBSC, self.k_rope_LBSr))
+
+    def update(
+        self, layer: int, latent_BTC: torch.Tensor, k_rope_BTr: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's latents for `layer` after the cached prefix; return views of prefix + step."""
+        end = self.length + latent_BTC.shape[1]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache holds {self.max_len} positions but this step needs {end}: "
+                "allocate a longer cache or generate fewer tokens"
+            )
+        self.latent_LBSC[layer, :, self.length : end] = latent_BTC
+        self.k_rope_LBSr[layer, :, self.length : end] = k_rope_BTr
+        return self.latent_LBSC[layer, :, :end], self.k_rope_LBSr[layer, :, :end]
+
+    def advance(self, n_positions: int) -> None:
+        """Called once per forward, after every layer has written its latents for the step."""
+        self.length += n_positions

@@ -13,12 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.alibi import alibi_bias
 from moe.attention import Attention, build_attention_mask
 from moe.checkpointing import MODES as CHECKPOINTING_MODES
 from moe.checkpointing import recompute_in_backward
 from moe.config import ModelConfig
 from moe.ffn import FeedForward
-from moe.kv_cache import KVCache
+from moe.kv_cache import KVCache, LatentKVCache
+from moe.mla import MultiHeadLatentAttention
 from moe.moe_layer import MoELayer, MoEOutput
 from moe.rope import rope_tables
 
@@ -44,7 +46,9 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.attn_norm = build_norm(config)
-        self.attn = Attention(config, layer_idx)
+        self.attn = (
+            MultiHeadLatentAttention(config, layer_idx) if config.attention == "mla" else Attention(config, layer_idx)
+        )
         self.ffn_norm = build_norm(config)
         if config.is_moe_layer(layer_idx):
             self.ffn: nn.Module = MoELayer(config.d_model, config.moe, config.activation, config.init_std)
@@ -155,13 +159,15 @@ class Transformer(nn.Module):
         x_BTD = self.embed_dropout(x_BTD)
         rope_cos_sin = None
         if self.config.pos_encoding == "rope":
-            rope_cos_sin = rope_tables(positions_T, self.config.head_dim, self.config.rope_theta, x_BTD.dtype)
+            rope_cos_sin = rope_tables(positions_T, self.config.rope_dim, self.config.rope_theta, x_BTD.dtype)
 
         mask = None
         if document_ids_BT is not None:
             document_ids_BT = document_ids_BT.to(input_ids_BT.device)  # batches arrive on the host
         if attention_mask_BT is not None or document_ids_BT is not None or (prefix > 0 and T > 1):
             mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT, document_ids_BT)
+        if self.config.pos_encoding == "alibi":  # the distance bias, -inf where `mask` (or causality) forbids
+            mask = alibi_bias(positions_T, prefix + T, self.config.n_heads, x_BTD.dtype, mask)
 
         moe_outputs: list[MoEOutput | None] = []
         for block in self.blocks:
@@ -175,9 +181,20 @@ class Transformer(nn.Module):
         aux_loss = torch.stack(aux_terms).sum() if aux_terms else logits_BTV.new_zeros(())
         return ModelOutput(logits=logits_BTV, aux_loss=aux_loss, moe_outputs=moe_outputs)
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
-        """An empty cache on this model's device and dtype, sized for `max_len` positions (default max_seq_len)."""
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache | LatentKVCache:
+        """An empty cache on this model's device and dtype, sized for `max_len` positions (default max_seq_len):
+        per-head K and V, or MLA's latents."""
         weight = self.embed.weight
+        if self.config.attention == "mla":
+            return LatentKVCache(
+                n_layers=self.config.n_layers,
+                batch_size=batch_size,
+                latent_dim=self.config.mla.kv_lora_rank,
+                rope_dim=self.config.mla.qk_rope_head_dim,
+                max_len=max_len or self.config.max_seq_len,
+                dtype=weight.dtype,
+                device=weight.device,
+            )
         return KVCache(
             n_layers=self.config.n_layers,
             batch_size=batch_size,

@@ -30,6 +30,10 @@ class RouterConfig:
     renormalize_topk rescales the K selected scores to sum to one (the seeds' 0.6, 0.3 -> 2/3, 1/3).
     bias_update_rate > 0 turns on aux-loss-free balancing: a per-expert bias added to the scores only when
     choosing experts (gates still come from the unbiased scores), nudged by ±rate once per optimizer step.
+    n_group > 1 limits each token to the experts of its `topk_group` best of n_group contiguous expert groups,
+    a group scored by the sum of its two best choice scores (DeepSeek-V3's node-limited routing; 1 = no limit).
+    routed_scaling_factor multiplies the final gates, after any renormalisation (DeepSeek-V3: 2.5), so the
+    routed experts' sum is scaled against the shared experts and the residual.
     """
 
     score_fn: str = "softmax"
@@ -37,6 +41,9 @@ class RouterConfig:
     renormalize_topk: bool = True
     jitter_eps: float = 0.0  # multiplicative U(1-eps, 1+eps) noise on the router input, training only (Switch)
     bias_update_rate: float = 0.0  # 0 = no bias balancing; DeepSeek-V3 used 1e-3
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.score_fn not in SCORE_FNS:
@@ -58,6 +65,15 @@ class RouterConfig:
         if self.bias_update_rate < 0:
             raise ModelConfigError(
                 f"moe.router.bias_update_rate={self.bias_update_rate} is negative: use 0 (off) or a rate like 1e-3"
+            )
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ModelConfigError(
+                f"moe.router.n_group={self.n_group}, topk_group={self.topk_group}: need n_group >= 1 and "
+                "1 <= topk_group <= n_group (n_group=1 means no group limit)"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ModelConfigError(
+                f"moe.router.routed_scaling_factor={self.routed_scaling_factor} must be positive: use 1.0 for none"
             )
 
 
@@ -135,6 +151,18 @@ class MoEConfig:
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ModelConfigError(
                 f"moe.aux_loss_scope={self.aux_loss_scope!r} is not supported: use one of {AUX_LOSS_SCOPES}"
+            )
+        group_size, n_group = self.num_experts // self.router.n_group, self.router.n_group
+        if self.num_experts % n_group != 0:
+            raise ModelConfigError(
+                f"moe.num_experts={self.num_experts} does not split into moe.router.n_group={n_group} equal groups: "
+                "choose n_group dividing num_experts"
+            )
+        if self.top_k > self.router.topk_group * group_size:
+            raise ModelConfigError(
+                f"moe.top_k={self.top_k} exceeds the {self.router.topk_group * group_size} experts in "
+                f"moe.router.topk_group={self.router.topk_group} groups of {group_size}: "
+                "raise topk_group or lower top_k"
             )
         if self.top_k == 1 and self.router.renormalize_topk:
             # softmax-after-top-1 is the same trap: a softmax over one logit is 1.

@@ -40,6 +40,9 @@ def select_topk(
     renormalize: bool = True,
     selection_bias_E: torch.Tensor | None = None,
     scores_NE: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn logits into (topk_ids_NK, gates_NK) by the rule in `RouterConfig`'s docstring.
 
@@ -57,11 +60,9 @@ def select_topk(
     else:
         raise ValueError(f"score_fn={score_fn!r} is not supported: use 'softmax' or 'sigmoid'")
 
-    if selection_bias_E is None:
-        chosen_NK, topk_ids_NK = scores_NE.topk(top_k, dim=-1)
-    else:
-        topk_ids_NK = (scores_NE + selection_bias_E).topk(top_k, dim=-1).indices
-        chosen_NK = scores_NE.gather(1, topk_ids_NK)  # unbiased: the bias never reaches the gates
+    choice_NE = scores_NE if selection_bias_E is None else scores_NE + selection_bias_E
+    topk_ids_NK = group_limited_topk(choice_NE, top_k, n_group, topk_group)
+    chosen_NK = scores_NE.gather(1, topk_ids_NK)  # unbiased: the bias never reaches the gates
 
     if softmax_after_topk:
         gates_NK = chosen_NK.softmax(dim=-1)
@@ -69,7 +70,27 @@ def select_topk(
         gates_NK = chosen_NK / chosen_NK.sum(dim=-1, keepdim=True)  # 0.6, 0.3 -> 2/3, 1/3
     else:
         gates_NK = chosen_NK
+    if routed_scaling_factor != 1.0:
+        gates_NK = gates_NK * routed_scaling_factor
     return topk_ids_NK, gates_NK
+
+
+def group_limited_topk(choice_NE: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """The K experts with the largest choice scores, drawn only from each token's `topk_group` best of `n_group`
+    equal, contiguous expert groups (DeepSeek-V3's node-limited routing). A group's score is the sum of its two
+    largest choice scores (its one score when a group holds a single expert). n_group=1: plain top-k.
+
+    Experts are returned in descending score order, as `torch.topk` gives them.
+    """
+    if n_group == 1:
+        return choice_NE.topk(top_k, dim=-1).indices
+    N, E = choice_NE.shape
+    choice_NGe = choice_NE.view(N, n_group, E // n_group)
+    group_score_NG = choice_NGe.topk(min(2, E // n_group), dim=-1).values.sum(dim=-1)
+    kept_groups_NG = torch.zeros_like(group_score_NG, dtype=torch.bool)
+    kept_groups_NG.scatter_(1, group_score_NG.topk(topk_group, dim=-1).indices, True)
+    limited_NE = choice_NGe.masked_fill(~kept_groups_NG[:, :, None], float("-inf")).view(N, E)
+    return limited_NE.topk(top_k, dim=-1).indices
 
 
 def balancing_probs(logits_NE: torch.Tensor, score_fn: str = "softmax") -> torch.Tensor:
@@ -139,10 +160,19 @@ class TopKRouter(nn.Module):
                 renormalize=self.config.renormalize_topk,
                 selection_bias_E=self.expert_bias.to(router_dtype) if self.uses_bias else None,
                 scores_NE=probs_NE if shared else None,
+                n_group=self.config.n_group,
+                topk_group=self.config.topk_group,
+                routed_scaling_factor=self.config.routed_scaling_factor,
             )
             balance_ids_NK = topk_ids_NK
-            if self.uses_bias:  # probs_NE ranks experts as the unbiased scores do (a per-token monotone map)
-                balance_ids_NK = probs_NE.detach().topk(self.top_k, dim=-1).indices
+            if self.uses_bias:
+                # The unbiased choice. probs_NE ranks experts, and groups by their top-2 sums, as the selection
+                # scores do (the same softmax, or the sigmoid divided by one per-token sum); after-top-k softmax
+                # chooses on the logits themselves.
+                unbiased_NE = logits_NE if self.config.softmax_after_topk else probs_NE
+                balance_ids_NK = group_limited_topk(
+                    unbiased_NE.detach(), self.top_k, self.config.n_group, self.config.topk_group
+                )
 
         if self.uses_bias and self.training and not is_recomputing():  # count each forward once
             with torch.no_grad():

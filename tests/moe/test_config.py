@@ -12,7 +12,7 @@ from moe import ModelConfig
         ({"n_heads": 4, "n_kv_heads": 8}, "n_kv_heads", "MHA"),
         ({"n_kv_heads": 0}, "n_kv_heads", "MQA"),
         ({"d_model": 130, "n_heads": 4}, "d_model", "head_dim"),
-        ({"pos_encoding": "alibi"}, "pos_encoding", "rope"),
+        ({"pos_encoding": "sinusoidal"}, "pos_encoding", "rope"),
         ({"norm": "batchnorm"}, "norm", "rmsnorm"),
         ({"activation": "relu"}, "activation", "swiglu"),
         ({"head_dim": 7, "pos_encoding": "rope"}, "head_dim", "even"),
