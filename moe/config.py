@@ -66,6 +66,11 @@ class ModelConfig:
         if isinstance(self.mla, dict):  # e.g. ModelConfig(**yaml_dict); Hydra itself passes an MLAConfig
             self.mla = MLAConfig(**self.mla)
         _require(
+            self.attention == "mla" or self.mla == MLAConfig(),
+            f"model.mla is set ({self.mla}) but model.attention={self.attention!r} ignores it: "
+            "set model.attention=mla or drop the model.mla overrides",
+        )
+        _require(
             self.attention != "mla" or self.n_kv_heads in (None, self.n_heads),
             f"model.n_kv_heads={self.n_kv_heads} has no meaning under model.attention=mla (every head reads the "
             "shared latent): leave n_kv_heads unset",

@@ -22,6 +22,14 @@ from moe import ModelConfig
         ({"n_layers": -1}, "n_layers", "positive"),
         ({"rope_theta": -1.0}, "rope_theta", "positive"),
         ({"norm_eps": 0.0}, "norm_eps", "positive"),
+        ({"attention": "linear"}, "attention", "mla"),
+        ({"attention": "mla", "pos_encoding": "alibi"}, "attention=mla", "pos_encoding=rope"),
+        ({"attention": "mla", "pos_encoding": "learned"}, "attention=mla", "pos_encoding=rope"),
+        ({"attention": "mla", "n_heads": 4, "n_kv_heads": 2}, "n_kv_heads", "leave n_kv_heads unset"),
+        ({"attention": "mla", "mla": {"qk_rope_head_dim": 5}}, "mla.qk_rope_head_dim", "even"),
+        ({"attention": "mla", "mla": {"kv_lora_rank": 0}}, "mla.kv_lora_rank", "positive"),
+        ({"attention": "mla", "mla": {"q_lora_rank": -4}}, "mla.q_lora_rank", "null for a full-rank query"),
+        ({"mla": {"kv_lora_rank": 64}}, "mla", "set model.attention=mla"),
     ],
 )
 def test_bad_config_names_field_and_fix(overrides: dict, field: str, fix: str) -> None:

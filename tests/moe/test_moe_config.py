@@ -36,6 +36,11 @@ BASE = dict(num_experts=4, top_k=2, expert_d_ff=16)
         (dict(router=dict(softmax_after_topk=True, renormalize_topk=False)), "moe.router.softmax_after_topk"),
         (dict(router=dict(jitter_eps=1.0)), "moe.router.jitter_eps"),
         (dict(router=dict(bias_update_rate=-1e-3)), "moe.router.bias_update_rate"),
+        (dict(router=dict(n_group=3)), "moe.router.n_group=3"),
+        (dict(router=dict(n_group=2, topk_group=3)), "moe.router.n_group=2, topk_group=3"),
+        (dict(router=dict(n_group=0)), "moe.router.n_group=0"),
+        (dict(top_k=3, router=dict(n_group=4, topk_group=1)), "moe.top_k=3 exceeds the 1 experts"),
+        (dict(router=dict(routed_scaling_factor=0.0)), "moe.router.routed_scaling_factor"),
     ],
 )
 def test_invalid_configs_raise_a_sentence_naming_the_field_and_the_fix(changes, field):

@@ -195,3 +195,95 @@ def test_balancing_bias_keeps_fp32_when_the_module_is_cast_to_bf16() -> None:
     assert router.expert_bias.tolist() == pytest.approx([0.499, 0.501, 0.501, 0.501], abs=1e-7)
     router.double()
     assert router.expert_bias.dtype == torch.float64, "promotion to fp64 (parity tests) is still allowed"
+
+
+# ---- DeepSeek-V3's group-limited routing and routed scaling ------------------------------------------------------
+
+
+def group_limited_reference(choice: list[float], top_k: int, n_group: int, topk_group: int) -> list[int]:
+    """The rule written out for one token: score each group by the sum of its two best choice scores, keep the
+    topk_group best groups, then the top_k best experts among those groups' experts."""
+    size = len(choice) // n_group
+    groups = [list(range(g * size, (g + 1) * size)) for g in range(n_group)]
+    group_score = [sum(sorted((choice[e] for e in group), reverse=True)[:2]) for group in groups]
+    kept_groups = sorted(range(n_group), key=lambda g: -group_score[g])[:topk_group]
+    candidates = [e for g in kept_groups for e in groups[g]]
+    return sorted(candidates, key=lambda e: -choice[e])[:top_k]
+
+
+@pytest.mark.parametrize("n_group, topk_group, top_k", [(4, 2, 3), (8, 3, 4), (2, 1, 2), (4, 4, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_group_limited_selection_equals_the_direct_reference(n_group, topk_group, top_k, with_bias):
+    torch.manual_seed(n_group * 10 + topk_group)
+    E = 16
+    logits = torch.randn(200, E, dtype=torch.float64) * 2
+    bias = torch.randn(E, dtype=torch.float64) * 0.3 if with_bias else None
+    ids, gates = select_topk(
+        logits, top_k=top_k, score_fn="sigmoid", renormalize=True, selection_bias_E=bias,
+        n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5,
+    )  # fmt: skip
+    scores = logits.sigmoid()
+    choice = scores + bias if with_bias else scores
+    differs_from_plain_topk = 0
+    for n in range(200):
+        expected = group_limited_reference(choice[n].tolist(), top_k, n_group, topk_group)
+        assert ids[n].tolist() == expected
+        chosen = [scores[n, e].item() for e in expected]
+        assert gates[n].tolist() == pytest.approx([2.5 * s / sum(chosen) for s in chosen], rel=1e-12)
+        differs_from_plain_topk += set(expected) != set(choice[n].topk(top_k).indices.tolist())
+    if topk_group < n_group:
+        assert differs_from_plain_topk > 0, "the group limit never changed a choice: the test would be vacuous"
+    else:
+        assert differs_from_plain_topk == 0, "keeping every group is plain top-k"
+
+
+def test_a_group_of_one_expert_is_scored_by_that_expert():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]], dtype=torch.float64)
+    ids, _ = select_topk(logits, top_k=2, score_fn="sigmoid", n_group=4, topk_group=2)
+    assert sorted(ids[0].tolist()) == [1, 3]
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routed_scaling_multiplies_the_final_gates_and_changes_no_choice(renormalize):
+    logits = torch.randn(50, 8, dtype=torch.float64)
+    ids, gates = select_topk(logits, top_k=3, score_fn="sigmoid", renormalize=renormalize)
+    ids_s, gates_s = select_topk(
+        logits, top_k=3, score_fn="sigmoid", renormalize=renormalize, routed_scaling_factor=2.5
+    )
+    assert torch.equal(ids, ids_s)
+    torch.testing.assert_close(gates_s, 2.5 * gates, rtol=1e-15, atol=0)
+
+
+def test_routed_scaling_scales_the_routed_output_not_the_shared_experts():
+    from moe.moe_config import MoEConfig
+    from moe.moe_layer import MoELayer
+
+    def layer(scale: float) -> MoELayer:
+        torch.manual_seed(3)
+        router = RouterConfig(score_fn="sigmoid", routed_scaling_factor=scale)
+        config = MoEConfig(num_experts=8, top_k=2, expert_d_ff=16, num_shared_experts=1, router=router)
+        return MoELayer(12, config, "swiglu").double()
+
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    plain, scaled = layer(1.0), layer(2.5)
+    shared = plain.shared_experts(x)
+    torch.testing.assert_close(
+        scaled(x).output - shared, 2.5 * (plain(x).output - shared), **{"rtol": 1e-12, "atol": 1e-12}
+    )
+
+
+def test_the_router_limits_groups_for_the_balancing_count_too_and_keeps_gates_unbiased():
+    """With the selection bias, the balancing loss counts the unbiased choice under the same group limit."""
+    torch.manual_seed(5)
+    config = RouterConfig(score_fn="sigmoid", bias_update_rate=1e-3, n_group=4, topk_group=2, routed_scaling_factor=2.0)
+    router = TopKRouter(6, 8, 2, config).double()
+    router.expert_bias.copy_(torch.randn(8, dtype=torch.float64))
+    x = torch.randn(64, 6, dtype=torch.float64)
+    out = router(x)
+    scores = (x @ router.weight.T).sigmoid()
+    for n in range(64):
+        choice = (scores[n] + router.expert_bias).tolist()
+        assert out.topk_ids_NK[n].tolist() == group_limited_reference(choice, 2, 4, 2)
+        assert out.balance_ids_NK[n].tolist() == group_limited_reference(scores[n].tolist(), 2, 4, 2)
+        chosen = scores[n, out.topk_ids_NK[n]]
+        torch.testing.assert_close(out.gates_NK[n], 2.0 * chosen / chosen.sum())
