@@ -155,8 +155,27 @@ def all_to_all_bytes_per_step(
 
 
 def kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int) -> int:
-    """2 · B · L · S · H_kv · d_h · s: K and V of every layer for every cached position, payload only."""
-    return 2 * batch_size * config.n_layers * seq_len * config.n_kv_heads * config.head_dim * bytes_per_element
+    """Payload of the cache `Transformer.new_kv_cache` allocates: every layer, every cached position.
+
+    GQA (MHA, MQA): K and V of the H_kv KV heads, 2 · B · L · S · H_kv · d_h · s.
+    MLA: the content latent and the shared RoPE key, B · L · S · (d_c + d_r) · s (seed 001), d_c = kv_lora_rank,
+    d_r = qk_rope_head_dim; not the GQA formula with d_c plugged in (no factor 2, no heads).
+    """
+    B, L, S, s = batch_size, config.n_layers, seq_len, bytes_per_element
+    if config.attention == "mla":
+        return B * L * S * (config.mla.kv_lora_rank + config.mla.qk_rope_head_dim) * s
+    return 2 * B * L * S * config.n_kv_heads * config.head_dim * s
+
+
+def mha_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int) -> int:
+    """What a plain MHA cache of the same attention shapes would hold: per-head keys and values of all H heads,
+    B · L · S · H · (d_k + d_v) · s, with d_k = n + r and d_v = v under MLA (the keys and values MLA reconstructs
+    from its latent), d_k = d_v = d_h under GQA. The baseline both MLA's latent and GQA's shared heads shrink."""
+    if config.attention == "mla":
+        key_width, value_width = config.mla.qk_head_dim, config.mla.v_head_dim
+    else:
+        key_width = value_width = config.head_dim
+    return batch_size * config.n_layers * seq_len * config.n_heads * (key_width + value_width) * bytes_per_element
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +187,7 @@ def kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per
 class FlopsPerToken:
     """Forward matmul FLOPs per token (multiply and add counted as 2), summed over layers."""
 
-    projections: int  # Q, K, V, O
+    projections: int  # Q, K, V, O (MLA: query path, W_DKV + W_KR, W_UK + W_UV, W_O)
     attention: int  # QKᵀ and AV over the full S×S grid (the mask does not save these multiplies)
     ffn: int  # dense FFNs, and per MoE layer router + top-k experts + shared experts
     lm_head: int
@@ -183,11 +202,33 @@ class FlopsPerToken:
         return 3 * self.forward
 
 
+def _mla_flops_per_token(config: ModelConfig, seq_len: int) -> tuple[int, int]:
+    """(projections, attention) of one MLA layer per token on the expanded path every uncached forward takes
+    (training, prefill). Projections: query 2·D·H·(n+r), or through its latent 2·D·Q + 2·Q·H·(n+r); W_DKV and
+    W_KR 2·D·(C+r); W_UK and W_UV on every token 2·C·H·(n+v); W_O 2·H·v·D. Attention over S keys: scores
+    2·S·H·(n+r), A·V 2·S·H·max(v, n+r): values narrower than n + r are padded with zeros for SDPA's fused
+    kernels (moe/mla.py), and the padded columns are multiplied too. (Absorbed decode instead applies W_UK and W_UV per head, 2·H·C·(n+v), and attends
+    in the latent space, 2·S·H·(2·C+r); not this table.)"""
+    mla, D, H = config.mla, config.d_model, config.n_heads
+    q_width = H * mla.qk_head_dim
+    query = 2 * D * q_width if mla.q_lora_rank is None else 2 * D * mla.q_lora_rank + 2 * mla.q_lora_rank * q_width
+    kv_down = 2 * D * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+    kv_up = 2 * mla.kv_lora_rank * H * (mla.qk_nope_head_dim + mla.v_head_dim)
+    out = 2 * H * mla.v_head_dim * D
+    attention = 2 * seq_len * q_width + 2 * seq_len * H * max(mla.v_head_dim, mla.qk_head_dim)
+    return query + kv_down + kv_up + out, attention
+
+
 def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
-    q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-    projections = 2 * config.d_model * (2 * q_width + 2 * kv_width)
-    # Seed 000: QKᵀ and AV together cost 4·B·T²·d for the whole batch, i.e. 4·S·(H·d_h) per token.
-    attention = 4 * seq_len * q_width
+    """GQA: projections 2·D·(2·H·d_h + 2·H_kv·d_h), attention 4·S·H·d_h; MLA: `_mla_flops_per_token`. ALiBi's
+    bias is an addition, no matmul, so it changes neither."""
+    if config.attention == "mla":
+        projections, attention = _mla_flops_per_token(config, seq_len)
+    else:
+        q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        projections = 2 * config.d_model * (2 * q_width + 2 * kv_width)
+        # Seed 000: QKᵀ and AV together cost 4·B·T²·d for the whole batch, i.e. 4·S·(H·d_h) per token.
+        attention = 4 * seq_len * q_width
     ffn = 0
     for layer in range(config.n_layers):
         if config.is_moe_layer(layer):
@@ -251,6 +292,53 @@ def _attention_bytes(config: ModelConfig, num_tokens: int, s: int) -> int:
     )
 
 
+def _latent_norm_bytes(num_tokens: int, width: int, s: int) -> int:
+    """MLA's latent RMSNorms (nn.RMSNorm whatever `config.norm` says): their normalised input x·rstd and output,
+    2·N·W·s, and rstd, N·4; the input is counted by the projection that produced it."""
+    return 2 * num_tokens * width * s + 4 * num_tokens
+
+
+def mla_sdpa_is_fused(config: ModelConfig) -> bool:
+    """Whether MLA's training forward takes SDPA's fused kernel. That kernel needs one head width for Q, K and V;
+    moe/mla.py pads narrower values (DeepSeek's 128 beside 128 + 64) with zero columns to get it. Wider values than
+    n + r would take the math path, which keeps the B·H·S² probabilities."""
+    return config.mla.v_head_dim <= config.mla.qk_head_dim
+
+
+def _mla_attention_bytes(config: ModelConfig, num_tokens: int, seq_len: int, s: int) -> int:
+    """One MLA sub-layer (moe/mla.py, the expanded path every uncached forward takes):
+    norm + the query latent W_DQ x and its RMSNorm when q_lora_rank is set (N·Q·s + 2·N·Q·s + N·4)
+    + W_DKV and W_KR's output (N·(C+r)·s, kept whole: the latent norm keeps a view of it) and the latent's RMSNorm
+    (2·N·C·s + N·4) + the [q^C ; RoPE(q^R)] and [W_UK c ; k_r] heads SDPA keeps (2·N·H·(n+r)·s) + W_O's input
+    (N·H·v·s), and then, by SDPA path (`mla_sdpa_is_fused`):
+    fused: the values SDPA keeps, N·H·(n+r)·s (padded to n + r; a view of W_UK and W_UV's output when v = n + r,
+    whose key half is then kept too: N·H·(n+v)·s) + SDPA's output (N·H·(n+r)·s, a second copy beside W_O's input:
+    the CPU kernel lays it out like the contiguous q, so merging heads cannot be a view) + its log-sum-exp (N·H·4);
+    math: the values made contiguous (N·H·v·s) + the softmax probabilities over the S×S grid (N·H·S·s).
+    The RoPE tables (2·S·r·4) are too small to count."""
+    mla, H, N = config.mla, config.n_heads, num_tokens
+    query = 0 if mla.q_lora_rank is None else N * mla.q_lora_rank * s + _latent_norm_bytes(N, mla.q_lora_rank, s)
+    latent = N * (mla.kv_lora_rank + mla.qk_rope_head_dim) * s + _latent_norm_bytes(N, mla.kv_lora_rank, s)
+    common = 2 * N * H * mla.qk_head_dim * s + N * H * mla.v_head_dim * s
+    if mla.v_head_dim == mla.qk_head_dim:
+        path = N * H * (mla.qk_nope_head_dim + mla.v_head_dim) * s + N * H * mla.v_head_dim * s + N * H * 4
+    elif mla_sdpa_is_fused(config):
+        path = 2 * N * H * mla.qk_head_dim * s + N * H * 4
+    else:
+        path = N * H * mla.v_head_dim * s + N * H * seq_len * s
+    return _norm_bytes(config, N, s) + query + latent + common + path
+
+
+def _alibi_bias_bytes(config: ModelConfig, micro_batch_size: int, seq_len: int, s: int, attention_mask: bool) -> int:
+    """ALiBi's additive bias, H·S²·s, or B·H·S²·s when a padding or document mask is folded into it: built once
+    per forward in the activations' dtype and handed to every layer's SDPA, which keeps that one tensor (a float
+    mask keeps SDPA on a fused path: the flash kernel on CPU, the memory-efficient one on CUDA, where flash takes
+    no mask); 0 for other position encodings."""
+    if config.pos_encoding != "alibi":
+        return 0
+    return (micro_batch_size if attention_mask else 1) * config.n_heads * seq_len**2 * s
+
+
 def _hidden_bytes(rows: int, width: int, activation: str, s: int) -> int:
     """An FFN's hidden units: GELU keeps x·W_up and its GELU (2 per unit), SwiGLU the gate, its SiLU, the up
     projection and their product (4 per unit); the input row is counted by whoever produced it. Routed experts
@@ -312,7 +400,8 @@ def activation_bytes(
     N·V·s for the logits the model returns + N·V·4 for the fp32 log-probabilities cross-entropy keeps + 2·N·V·4
     for their fp32 gradients at the start of backward (where a training step peaks) + the final norm.
     `attention_mask` (padding, or packed documents' block-diagonal mask): SDPA keeps the mask converted to the
-    activations' dtype, B·S²·s per layer.
+    activations' dtype, B·S²·s per layer. ALiBi instead keeps its float bias once (`_alibi_bias_bytes`), with
+    any mask folded in. MLA's attention sub-layers: `_mla_attention_bytes`.
     Under bf16 autocast (fp32 weights) the norms stay fp32 and each linear keeps a bf16 copy of its input: this
     estimate, written for activations in the weights' dtype, undercounts that case.
     """
@@ -322,10 +411,17 @@ def activation_bytes(
         raise ValueError(f"checkpointing={checkpointing!r} is unknown: use one of {CHECKPOINTING}")
     s, N, D = ACTIVATION_BYTES[precision], micro_batch_size * seq_len, config.d_model
     block_input = N * D * s
-    attention = ffn = moe = dispatch = recompute = 0
+    ffn = moe = dispatch = recompute = 0
+    # ALiBi's bias lives outside the blocks: one tensor for all layers, kept under every checkpointing mode.
+    attention = _alibi_bias_bytes(config, micro_batch_size, seq_len, s, attention_mask)
     for layer in range(config.n_layers):
-        layer_attention = _attention_bytes(config, N, s)
-        if attention_mask:
+        if config.attention == "mla":
+            layer_attention = _mla_attention_bytes(config, N, seq_len, s)
+        else:
+            layer_attention = _attention_bytes(config, N, s)
+        # ALiBi folds the mask into its float bias; SDPA's math path adds the mask and keeps nothing of it.
+        fused = config.attention != "mla" or mla_sdpa_is_fused(config)
+        if attention_mask and fused and config.pos_encoding != "alibi":
             layer_attention += micro_batch_size * seq_len**2 * s
         layer_ffn = layer_moe = layer_dispatch = 0
         if config.is_moe_layer(layer):
@@ -396,18 +492,26 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     params = count_parameters(config)
     state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
     flops = matmul_flops_per_token(config, run.seq_len)
-    kv = kv_cache_bytes(config, run.micro_batch_size, run.seq_len, run.kv_bytes_per_element)
-    kv_per_token = kv_cache_bytes(config, 1, 1, run.kv_bytes_per_element)
+    if config.attention == "mla":
+        attention_note = "MLA: query path, W_DKV + W_KR, latent norm, W_UK + W_UV, W_O"
+        projection_note = "query path, W_DKV + W_KR, W_UK + W_UV on every token, W_O"
+        attention_flops_note = "2 · S · H · (n + r) + 2 · S · H · v, full S×S grid (mask saves none)"
+    else:
+        attention_note = f"Q, K, V, O over all layers ({config.n_heads} query, {config.n_kv_heads} KV heads)"
+        projection_note = "Q, K, V, O"
+        attention_flops_note = "4 · S · H · d_h, full S×S grid (mask saves none)"
+    if config.pos_encoding == "alibi":
+        attention_flops_note += "; ALiBi's bias is an addition"
     moe_note = "router + top-k experts + shared experts per MoE layer" if config.moe else "dense: active = total"
     tables = [
         _table(
-            "Parameters",
+            f"Parameters (attention={config.attention}, pos_encoding={config.pos_encoding})",
             [
                 ("total", f"{params.total:,}", "every weight the model stores"),
                 ("active per token", f"{params.active:,}", moe_note),
                 ("embedding", f"{params.embedding:,}", "token table (+ learned positions)"),
                 ("lm head", f"{params.lm_head:,}", "0 when tied to the embedding"),
-                ("attention", f"{params.attention:,}", "Q, K, V, O over all layers"),
+                ("attention", f"{params.attention:,}", attention_note),
                 ("ffn / experts", f"{params.ffn_total:,}", "dense FFNs, experts, routers, shared experts"),
                 ("norms", f"{params.norms:,}", f"{config.norm}: γ{' and β' if config.norm == 'layernorm' else ''}"),
             ],
@@ -423,22 +527,12 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("not counted", "-", "activations, buffers, allocator slack, communication buckets"),
             ],
         ),
-        _table(
-            f"KV cache ({run.kv_bytes_per_element} B/element, {config.n_kv_heads} KV heads × {config.head_dim} dims)",
-            [
-                ("per token", _human(kv_per_token, "B"), "2 · L · H_kv · d_h · s"),
-                (
-                    f"B={run.micro_batch_size}, S={run.seq_len}",
-                    _human(kv, "B"),
-                    "2 · B · L · S · H_kv · d_h · s, payload only",
-                ),
-            ],
-        ),
+        _kv_cache_table(config, run),
         _table(
             f"Matmul FLOPs per token (S={run.seq_len}, multiply-add = 2)",
             [
-                ("projections", _human(flops.projections, "FLOP"), "Q, K, V, O"),
-                ("attention", _human(flops.attention, "FLOP"), "4 · S · H · d_h, full S×S grid (mask saves none)"),
+                ("projections", _human(flops.projections, "FLOP"), projection_note),
+                ("attention", _human(flops.attention, "FLOP"), attention_flops_note),
                 ("ffn", _human(flops.ffn, "FLOP"), "active experts only" if config.moe else "dense FFN"),
                 ("lm head", _human(flops.lm_head, "FLOP"), "2 · D · V"),
                 ("forward", _human(flops.forward, "FLOP"), "excludes softmax, norms, activations, memory traffic"),
@@ -450,6 +544,39 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     if run.ep_size > 1:
         tables.insert(2, _expert_parallel_table(config, run, state))
     return "\n\n".join(tables)
+
+
+def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
+    """GQA: the per-head K and V payload. MLA: the latent payload beside what an MHA cache of the same heads and
+    widths would hold, and the ratio."""
+    s, B, S = run.kv_bytes_per_element, run.micro_batch_size, run.seq_len
+    kv, kv_per_token = kv_cache_bytes(config, B, S, s), kv_cache_bytes(config, 1, 1, s)
+    shape = f"B={B}, S={S}"
+    if config.attention != "mla":
+        return _table(
+            f"KV cache ({s} B/element, {config.n_kv_heads} KV heads × {config.head_dim} dims)",
+            [
+                ("per token", _human(kv_per_token, "B"), "2 · L · H_kv · d_h · s"),
+                (shape, _human(kv, "B"), "2 · B · L · S · H_kv · d_h · s, payload only"),
+            ],
+        )
+    mla = config.mla
+    mha = mha_kv_cache_bytes(config, B, S, s)
+    return _table(
+        f"KV cache ({s} B/element, MLA latent d_c={mla.kv_lora_rank} + RoPE key d_r={mla.qk_rope_head_dim} "
+        "per layer and position)",
+        [
+            ("per token", _human(kv_per_token, "B"), "L · (d_c + d_r) · s"),
+            (shape, _human(kv, "B"), "B · L · S · (d_c + d_r) · s, payload only (seed 001)"),
+            (
+                "MHA equivalent",
+                _human(mha, "B"),
+                f"B · L · S · H · (n + r + v) · s: keys of n + r = {mla.qk_head_dim}, values of v = "
+                f"{mla.v_head_dim}, {config.n_heads} heads",
+            ),
+            ("ratio", f"{mha / kv:.1f}×", "MHA-equivalent / latent cache"),
+        ],
+    )
 
 
 def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
@@ -493,12 +620,18 @@ def _activation_table(config: ModelConfig, run: RunShape) -> str:
         config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
     )
     s = ACTIVATION_BYTES[run.precision]
+    if config.attention == "mla":
+        attention_note = "norm, latents and their norms, per-head q, k, v, SDPA output" + (
+            "" if mla_sdpa_is_fused(config) else ", S×S probabilities (v > n + r: math SDPA)"
+        )
+    else:
+        attention_note = "norm, Q, K, V, SDPA output"
+    if config.pos_encoding == "alibi":
+        attention_note += ", ALiBi's float bias once (H·S²·s" + (", × B with a mask)" if run.attention_mask else ")")
+    elif run.attention_mask and (config.attention != "mla" or mla_sdpa_is_fused(config)):
+        attention_note += " and mask"
     rows = [
-        (
-            "attention",
-            _human(acts.attention, "B"),
-            "norm, Q, K, V, SDPA output" + (" and mask" if run.attention_mask else ""),
-        ),
+        ("attention", _human(acts.attention, "B"), attention_note),
         ("ffn", _human(acts.ffn, "B"), "dense FFN sub-layers: norm and hidden units"),
     ]
     if config.moe is not None:

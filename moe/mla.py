@@ -26,6 +26,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moe.attention import grouped_attention
@@ -92,8 +93,14 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _attention(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         T, S = q.shape[2], k.shape[2]
+        v_width, qk_width = v.shape[-1], q.shape[-1]
+        # SDPA's fused kernels want one head width for Q, K and V; DeepSeek's values are narrower (128 vs 192), and
+        # the math fallback would keep the S×S probabilities for backward. Zero columns added to V add zero columns
+        # to the output, which are cut off again.
+        if v_width < qk_width:
+            v = F.pad(v, (0, qk_width - v_width))
         # Without a mask and without a prefix, plain causal attention takes SDPA's fused causal path.
-        return grouped_attention(
+        z = grouped_attention(
             q,
             k,
             v,
@@ -102,6 +109,7 @@ class MultiHeadLatentAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             scale=1.0 / math.sqrt(self.nope_dim + self.rope_dim),
         )
+        return z[..., :v_width]
 
     def _attend_expanded(self, q_nope_BHTn, q_rope_BHTr, latent_BSC, k_rope_BSr, mask) -> torch.Tensor:
         """Reconstruct every head's K and V from the latents, then ordinary attention over H heads."""

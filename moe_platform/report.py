@@ -153,7 +153,8 @@ def world_size(train: list[dict[str, Any]]) -> int | None:
 
 
 def ledger_text(config, ranks: int | None) -> str:
-    """The start-up ledger of this config, for the run's world size (1 assumed, and said, when unknown)."""
+    """The start-up ledger of this config, for the run's world size (1 assumed, and said, when unknown): the run
+    shape the trainer printed, activation checkpointing and the document mask included."""
     dp_size = ranks or 1
     micro = config.trainer.micro_batch_size
     run = RunShape(
@@ -164,6 +165,8 @@ def ledger_text(config, ranks: int | None) -> str:
         dp_size=dp_size,
         ep_size=config.distributed.expert_parallel_size,
         grad_accum=max(1, config.data.global_batch_size // (micro * dp_size)),
+        checkpointing=config.trainer.activation_checkpointing,
+        attention_mask=config.data.document_mask,
     )
     where = (
         f"{dp_size} rank(s), the run's world size at its first logged step"

@@ -24,8 +24,13 @@ from moe import (
 )
 from moe.config import attention_num_params
 from moe.experts import GroupedExperts
-from moe.ledger import PRECISION_BYTES, _human, training_state_bytes
+from moe.ledger import PRECISION_BYTES, _human, mha_kv_cache_bytes, training_state_bytes
+from moe.mla_config import MLAConfig
 from moe.moe_config import RouterConfig
+
+# MLA in small, v = n + r and v ≠ n + r, with and without the query latent.
+MLA_Q = MLAConfig(q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10)
+MLA_FULL_Q = MLAConfig(kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=8)
 
 
 def test_kv_cache_is_128_kib_per_token_in_the_seeds_example() -> None:
@@ -37,6 +42,65 @@ def test_kv_cache_is_128_kib_per_token_in_the_seeds_example() -> None:
     # Seed: two KV heads instead of eight → a quarter of the payload.
     mqa_ish = ModelConfig(n_layers=32, n_heads=32, n_kv_heads=2, d_model=4096, vocab_size=32000, d_ff=64)
     assert kv_cache_bytes(mqa_ish, 1, 8192, 2) * 4 == 2**30
+
+
+def test_mla_cache_is_the_latent_payload_not_the_gqa_formula() -> None:
+    """Seed 001: B·L·S·(d_c + d_r)·s. DeepSeek-V3's shapes (61 layers, d_c = 512, d_r = 64, bf16): 70,272 B per
+    token, against 61·128·(192 + 128)·2 = 4,997,120 B for per-head keys and values, 71× more."""
+    mla = MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    config = ModelConfig(n_layers=61, n_heads=128, d_model=7168, vocab_size=8, d_ff=8, attention="mla", mla=mla)
+    assert kv_cache_bytes(config, batch_size=1, seq_len=1, bytes_per_element=2) == 61 * 576 * 2 == 70_272
+    assert kv_cache_bytes(config, 4, 4096, 2) == 4 * 4096 * 70_272
+    assert mha_kv_cache_bytes(config, 1, 1, 2) == 61 * 128 * (192 + 128) * 2 == 4_997_120
+    # A GQA model's MHA equivalent is its cache at H_kv = H.
+    gqa = ModelConfig(n_layers=2, n_heads=8, n_kv_heads=2, d_model=64)
+    assert mha_kv_cache_bytes(gqa, 3, 5, 2) == kv_cache_bytes(replace(gqa, n_kv_heads=8), 3, 5, 2)
+    assert mha_kv_cache_bytes(gqa, 3, 5, 2) == 4 * kv_cache_bytes(gqa, 3, 5, 2)
+
+
+KV_CASES = {
+    "mla_q_latent": dict(attention="mla", mla=MLA_Q),
+    "mla_full_rank_q": dict(attention="mla", mla=MLA_FULL_Q),
+    "mha": dict(n_kv_heads=4),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "alibi_gqa": dict(n_kv_heads=2, pos_encoding="alibi"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", KV_CASES)
+def test_kv_cache_bytes_equal_the_cache_the_model_allocates(case: str, dtype: torch.dtype) -> None:
+    config = ModelConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=4, d_ff=48, max_seq_len=16, **KV_CASES[case])
+    model = Transformer(config).to(dtype)
+    B, S = 2, 11
+    cache = model.new_kv_cache(B, S)
+    assert cache.num_bytes == kv_cache_bytes(config, B, S, dtype.itemsize)
+
+
+@pytest.mark.parametrize("mla", [MLA_Q, MLA_FULL_Q], ids=["q_latent", "full_rank_q"])
+def test_mla_mha_equivalent_is_the_keys_and_values_the_expanded_path_builds(
+    mla: MLAConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MHA-equivalent cache holds exactly the per-head K and V an uncached MLA forward reconstructs for SDPA."""
+    import moe.mla
+
+    config = ModelConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=4, d_ff=48, attention="mla", mla=mla)
+    handed: list[int] = []
+    attention = moe.mla.grouped_attention
+
+    def spy(q, k, v, **kwargs):
+        # the values' own columns: moe/mla.py pads narrower values with zeros for SDPA's fused kernels
+        v_columns = v.shape[:-1].numel() * config.mla.v_head_dim
+        handed.append(k.numel() * k.element_size() + v_columns * v.element_size())
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(moe.mla, "grouped_attention", spy)
+    B, S = 2, 9
+    with torch.no_grad():
+        Transformer(config)(torch.randint(0, 50, (B, S)))
+    assert sum(handed) == mha_kv_cache_bytes(config, B, S, 4)
+    assert mha_kv_cache_bytes(config, B, S, 4) > kv_cache_bytes(config, B, S, 4)
 
 
 def test_gqa_projection_parameters_from_the_seeds() -> None:
@@ -94,6 +158,12 @@ def test_flop_terms_follow_the_seeds_formulas() -> None:
         # Dropless MoE: the experts compute exactly K assignments per token, plus the router and a shared expert.
         {"moe": MoEConfig(num_experts=4, top_k=2, expert_d_ff=24, num_shared_experts=1, moe_layer_interval=2)},
         {"moe": MoEConfig(num_experts=3, top_k=1, expert_d_ff=20, router=RouterConfig(renormalize_topk=False))},
+        # MLA: the query path with and without its latent, W_DKV + W_KR, W_UK/W_UV on every token, W_O, and
+        # scores over n + r against values of v; ALiBi's bias is an addition, no matmul.
+        {"attention": "mla", "mla": MLA_Q},
+        {"attention": "mla", "mla": MLA_FULL_Q, "attention_bias": True},
+        {"attention": "mla", "mla": MLA_Q, "moe": MoEConfig(num_experts=4, top_k=2, expert_d_ff=24)},
+        {"n_kv_heads": 2, "pos_encoding": "alibi"},
     ],
 )
 def test_forward_flops_equal_torchs_flop_counter(overrides: dict) -> None:
@@ -115,6 +185,17 @@ def test_format_ledger_prints_five_tables_with_assumptions() -> None:
     for title in titles:
         assert title in text
     assert "fp32 master" in text and "ZeRO-2" in text and "2 · B · L · S · H_kv · d_h · s" in text
+    assert "attention=gqa" in text and "MHA equivalent" not in text
+
+
+def test_format_ledger_prints_the_mla_latent_cache_beside_its_mha_equivalent() -> None:
+    config = ModelConfig(n_layers=2, n_heads=4, d_model=32, attention="mla", mla=MLA_Q)
+    run = RunShape(micro_batch_size=2, seq_len=16)
+    text = format_ledger(config, run)
+    latent, mha = kv_cache_bytes(config, 2, 16, 2), mha_kv_cache_bytes(config, 2, 16, 2)
+    assert "attention=mla" in text and "B · L · S · (d_c + d_r) · s" in text and "H_kv" not in text
+    assert f"MHA equivalent  {_human(mha, 'B')}" in text and f"{mha / latent:.1f}×" in text
+    assert "2 · S · H · (n + r) + 2 · S · H · v" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -99,3 +99,13 @@ def test_moe_train_refuses_a_model_this_machine_cannot_hold_in_seconds(tmp_path:
     assert result.returncode == 2, result.stderr[-2000:]
     assert re.search(r"config error: this model \(46\.\d\d B parameters, fp32\) needs [\d,.]+ GB", result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_deepseek_v3_preset_is_refused_with_its_671b_parameters_and_the_gpus_it_needs() -> None:
+    """The full-size MLA + group-routed preset, loaded as Hydra loads it: 671,026,404,352 parameters at 16 B each
+    (bf16 mixed precision) need ⌈10.7 TB / 80 GB⌉ = 135 ZeRO-3 GPUs of this kind."""
+    config = preset("deepseek_v3_like", "deepspeed", 3, "bf16")
+    assert config.model.num_params() == 671_026_404_352
+    message = refusal(config, 8, 8, gpu(free_gb=80.0, host_gb=4000.0))
+    assert "671.03 B parameters" in message
+    assert "zero3 over at least 135 GPUs" in message

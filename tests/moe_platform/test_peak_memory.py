@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import ModelConfig, MoEConfig, Transformer
+from moe.mla_config import MLAConfig
 from moe_platform.peak_memory import (
     PeakMemoryProbe,
     PeakPrediction,
@@ -29,6 +30,17 @@ CASES = {
         "none",
     ),
     "moe_tiny_full_checkpointing": (MOE_TINY, "full"),
+    # DeepSeek-V3's attention in small: both latents, v ≠ n + r (SDPA's math path on CPU, S×S probabilities kept).
+    "mla_moe_tiny": (
+        ModelConfig(
+            **{**TINY, "n_kv_heads": None, "attention": "mla"},
+            mla=MLAConfig(q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+            moe=MoEConfig(num_experts=4, top_k=2, expert_d_ff=128, capacity_factor=None, first_dense_layers=1),
+        ),
+        "none",
+    ),
+    # ALiBi: one float (1, H, S, S) bias for every layer, on SDPA's fused path.
+    "alibi_moe_tiny": (ModelConfig(**{**TINY, "pos_encoding": "alibi"}, moe=MOE_TINY.moe), "none"),
 }
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,11 @@ import pytest
 from PIL import Image
 from plotly.colors import sample_colorscale
 
+from data_pipeline import DataConfig
+from moe import ModelConfig
+from moe.mla_config import MLAConfig
 from moe_platform import report
+from moe_platform.config import TrainConfig, TrainerConfig
 from moe_platform.testing import metric_steps, moe_train
 
 FIGURES = ["fig-loss", "fig-throughput", "fig-optimizer", "fig-expert-load", "fig-routing"]
@@ -43,6 +48,26 @@ def two_rank_then_resumed(tmp_path_factory) -> tuple[Path, str]:
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     moe_train(run_dir, "resume=auto")
     return run_dir, partial
+
+
+def test_ledger_shows_the_runs_attention_cache_and_checkpointing() -> None:
+    """The report's ledger is the trainer's: the attention type, MLA's latent cache beside its MHA equivalent, the
+    run's activation checkpointing and document mask (not the defaults), for a config built here without a run."""
+    model = ModelConfig(
+        vocab_size=258, d_model=64, n_layers=3, n_heads=4, d_ff=128, attention="mla", mla=MLAConfig(q_lora_rank=32)
+    )
+    config = TrainConfig(
+        model=model,
+        data=DataConfig(seq_len=64, document_mask=True),
+        trainer=TrainerConfig(activation_checkpointing="full"),
+    )
+    text = report.ledger_text(config, None)
+    assert "attention=mla" in text and "B · L · S · (d_c + d_r) · s" in text and "MHA equivalent" in text
+    assert "checkpointing=full" in text and "with checkpointing=none" in text
+    assert "S×S probabilities" not in text, "MLA pads its narrower values, so SDPA keeps its fused kernel"
+    plain = report.ledger_text(replace(config, model=replace(model, attention="gqa", mla=MLAConfig())), 2)
+    assert "attention=gqa" in plain and "2 · B · L · S · H_kv · d_h · s" in plain and "for 2 rank(s)" in plain
+    assert "SDPA output and mask" in plain, "the document mask SDPA keeps per layer"
 
 
 def figures(run_dir: Path) -> dict:
