@@ -27,7 +27,7 @@ from typing import Any, Optional
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data_pipeline import DataConfigError, DataError, preflight
 from moe import ModelConfigError
@@ -83,9 +83,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     hydra_config = HydraConfig.get()
     if hydra_config.output_subdir is not None:  # rank 0: Hydra has already recorded the overrides, secrets included
         scrub_hydra_dir(Path(hydra_config.runtime.output_dir) / hydra_config.output_subdir, secret_values(cfg))
+    # model.* read from init.from_path's own config before validating: an override such as model.mla.* may only
+    # make sense for the source's model, not the composed default's. Nothing is resolved here (a bad ${...} is
+    # to_train_config's one-sentence error).
+    if OmegaConf.select(cfg, "init.from_path", throw_on_resolution_failure=False) is not None:
+        adopt_source_model(cfg, OmegaConf.to_container(hydra_config.overrides.task, resolve=False))
     config = to_train_config(cfg)
-    if config.init.from_path is not None and adopt_source_model(cfg, list(hydra_config.overrides.task)):
-        config = to_train_config(cfg)  # model.* read from init.from_path's own config
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
     check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))

@@ -2,15 +2,19 @@
 
 Legend: D model width, F (expert) hidden width, E routed experts, L layers.
 
-Which architecture (`hf_architecture`): dense → Llama; MoE on every layer, no shared experts, renormalised top-k,
-no attention bias → Mixtral; any other representable MoE → Qwen2-MoE. A config that no architecture computes
-exactly is refused with one sentence (`ConversionError`), never exported approximately.
+Which architecture (`hf_architecture`): `model.attention=mla` → DeepSeek-V3 (dense or MoE); otherwise dense →
+Llama; MoE on every layer, no shared experts, renormalised top-k, no attention bias → Mixtral; any other
+representable softmax-routed MoE → Qwen2-MoE. DeepSeek-V3's router features (sigmoid scores, the selection bias,
+group limits, routed scaling) exist in no other architecture, and DeepSeek-V3 has only MLA, so a GQA model with one
+of them is refused. A config that no architecture computes exactly is refused with one sentence
+(`ConversionError`), never exported approximately.
 
 Decisions that keep the logits exact (fp32, up to summation order):
   * Routing. Ours with softmax over all E then top-k then renormalise (or softmax over the top-k logits, the same
     numbers) is Mixtral's router and Qwen2-MoE's `norm_topk_prob=True`; without renormalisation it is Qwen2-MoE's
-    `norm_topk_prob=False`. Sigmoid scores and the aux-loss-free selection bias change which experts are chosen and
-    no architecture here has them: refused. Jitter, aux loss and z-loss act only in training: dropped.
+    `norm_topk_prob=False`. Sigmoid scores, the aux-loss-free selection bias, group limits and routed scaling exist
+    only in DeepSeek-V3 (below), which has only MLA: a GQA model with one of them is refused. Jitter, aux loss and
+    z-loss act only in training: dropped (for every architecture).
   * Capacity. HF MoE layers are dropless. `capacity_factor` drops tokens only in training; `eval_capacity_factor`
     drops them at inference too, so a model evaluated with one is refused (its own eval logits would differ).
   * Shared experts. Qwen2-MoE gates its shared expert by sigmoid(x·g); ours are ungated. With g = 0 the gate is
@@ -19,6 +23,40 @@ Decisions that keep the logits exact (fp32, up to summation order):
   * Attention bias. Ours biases Q, K, V and O. Llama does the same; Qwen2 / Qwen2-MoE bias Q, K, V only, so their
     import sets the O bias to zero, and a Qwen2-MoE export needs every O bias to be zero.
   * Interleaved dense layers map to Qwen2-MoE `mlp_only_layers` (with `decoder_sparse_step=1`), which names any set.
+
+DeepSeek-V3 (`DeepseekV3ForCausalLM`; H heads, n content and r RoPE dims per query/key head, C the KV latent):
+  * RoPE layout. Ours pairs coordinate i with i + r/2 (rotate-half); real DeepSeek-V3 checkpoints pair 2i with
+    2i+1, which HF computes with `rope_interleave=True` and returns in the rotate-half order (first all the
+    rotated evens, then the odds). The export writes `rope_interleave=True` and permutes the r RoPE rows of each
+    head of q_b_proj (q_proj) and of kv_a_proj_with_mqa (weight and bias) so that interleaved row 2i is our row i
+    and row 2i+1 our row r/2 + i: HF's interleaved rotation then computes our rotate-half rotation with the same
+    products (x1·cos - x2·sin, x2·cos + x1·sin; only the cos/sin tables, which each side computes itself, may round
+    differently in the last bit). The import undoes the permutation under `rope_interleave=True` and copies the rows as
+    they are under False.
+  * Selection bias. HF's `e_score_correction_bias` is our `router.expert_bias`, which exists only when
+    `moe.router.bias_update_rate > 0`: the import sets DeepSeek-V3's rate 0.001 so the bias is kept (training from
+    the import balances as DeepSeek-V3 did); the export of a model without the buffer writes zeros (no bias).
+  * Routing. HF always scores by sigmoid, adds the bias for the choice only, keeps the `topk_group` best of
+    `n_group` groups by the sum of each group's top-2 scores, renormalises when `norm_topk_prob`, and multiplies by
+    `routed_scaling_factor`: our sigmoid router with the same fields. Softmax scoring is refused, and so is a group
+    of one expert (HF takes the top-2 of every group, ours the group's one score).
+  * Layers. HF's dense layers are exactly the first `first_k_dense_replace`; interleaved dense layers
+    (moe_layer_interval != 1) are refused. A dense MLA model exports with first_k_dense_replace = L (and a nominal
+    one-expert router that no layer builds), and such a config imports as a dense model.
+  * FFN widths. Dense layers: model.d_ff = intermediate_size; experts: moe.expert_d_ff = moe_intermediate_size; the
+    shared experts are one ungated FFN of width n_shared_experts · moe_intermediate_size, as ours fuses them (no gate
+    to neutralise, unlike Qwen2-MoE). With no shared expert HF still builds a zero-width one, which adds exactly 0.
+  * Attention bias. HF's `attention_bias` biases q_a_proj, kv_a_proj_with_mqa and o_proj, the same three linears
+    ours biases (never the full-rank q_proj, q_b_proj or kv_b_proj): copied as they are. Both latent RMSNorms use
+    eps 1e-6 on both sides; the model's norms use rms_norm_eps.
+  * Refused on import: scaled RoPE (YaRN etc.: `rope_parameters.rope_type` != "default", which also rescales the
+    softmax), num_key_value_heads != num_attention_heads (HF would repeat MLA's per-head keys), a non-silu
+    activation, top-1 routing with norm_topk_prob (a constant gate ours cannot express), a group of one expert.
+  * MTP. transformers builds no multi-token-prediction module (`num_mtp_layers` only describes the checkpoint) and
+    drops the `model.layers.{L}.*` weights real checkpoints hold for it; ours has none either. The import ignores
+    them the same way and prints a note naming how many it dropped; the export writes num_mtp_layers=0.
+  * Inference only: our MLA's `absorb_decode` changes no number HF computes and is not written; an import takes
+    the default.
 """
 
 from __future__ import annotations
@@ -29,6 +67,7 @@ import torch
 
 from moe.config import ModelConfig
 from moe.errors import ModelConfigError
+from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig, RouterConfig
 
 
@@ -37,6 +76,8 @@ class ConversionError(ModelConfigError):
 
 
 LLAMA, MIXTRAL, QWEN2_MOE, QWEN2 = "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen2ForCausalLM"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+DEEPSEEK_V3_BIAS_UPDATE_RATE = 1e-3  # DeepSeek-V3's γ, set on import so that e_score_correction_bias is kept
 
 
 def _refuse_if(condition: bool, message: str) -> None:
@@ -48,29 +89,43 @@ def hf_architecture(config: ModelConfig) -> str:
     """The transformers class name that computes exactly what `config` computes at inference, or ConversionError."""
     _refuse_if(
         config.pos_encoding != "rope",
-        f"model.pos_encoding={config.pos_encoding!r} (learned absolute positions) has no exact equivalent in "
-        "Llama/Mixtral/Qwen2-MoE, which use RoPE",
+        f"model.pos_encoding={config.pos_encoding!r} has no exact equivalent in Llama/Mixtral/Qwen2-MoE/DeepSeek-V3, "
+        "which use RoPE",
     )
     _refuse_if(
         config.norm != "rmsnorm",
-        f"model.norm={config.norm!r} has no exact equivalent in Llama/Mixtral/Qwen2-MoE, which use RMSNorm",
+        f"model.norm={config.norm!r} has no exact equivalent in Llama/Mixtral/Qwen2-MoE/DeepSeek-V3, which use RMSNorm",
     )
     _refuse_if(
         config.activation != "swiglu",
-        f"model.activation={config.activation!r} has no exact equivalent in Llama/Mixtral/Qwen2-MoE, which use SwiGLU",
+        f"model.activation={config.activation!r} has no exact equivalent in Llama/Mixtral/Qwen2-MoE/DeepSeek-V3, "
+        "which use SwiGLU",
     )
+    dense_layers = [i for i in range(config.n_layers) if not config.is_moe_layer(i)]
+    if config.attention == "mla":
+        return _deepseek_v3_architecture(config, dense_layers)
     if config.moe is None:
         return LLAMA
     moe, router = config.moe, config.moe.router
     _refuse_if(
         router.score_fn != "softmax",
         f"moe.router.score_fn={router.score_fn!r} routing has no exact equivalent in Mixtral/Qwen2-MoE, "
-        "which route by softmax",
+        "which route by softmax, and DeepSeek-V3 needs model.attention=mla",
     )
     _refuse_if(
         router.bias_update_rate > 0,
         "moe.router.bias_update_rate>0 (aux-loss-free balancing) adds a selection bias to top-k that "
-        "Mixtral/Qwen2-MoE routers do not have",
+        "Mixtral/Qwen2-MoE routers do not have, and DeepSeek-V3 needs model.attention=mla",
+    )
+    _refuse_if(
+        router.n_group > 1,
+        f"moe.router.n_group={router.n_group} (group-limited routing) exists only in DeepSeek-V3, which needs "
+        "model.attention=mla",
+    )
+    _refuse_if(
+        router.routed_scaling_factor != 1.0,
+        f"moe.router.routed_scaling_factor={router.routed_scaling_factor} exists only in DeepSeek-V3, which needs "
+        "model.attention=mla",
     )
     _refuse_if(
         moe.eval_capacity_factor is not None,
@@ -78,15 +133,45 @@ def hf_architecture(config: ModelConfig) -> str:
         "are dropless",
     )
     _refuse_if(
-        config.ffn_bias and any(not config.is_moe_layer(i) for i in range(config.n_layers)),
+        config.ffn_bias and bool(dense_layers),
         "model.ffn_bias=True in the dense layers of a MoE model has no equivalent in Qwen2-MoE, whose MLPs are "
         "bias-free",
     )
     renormalised = router.renormalize_topk or router.softmax_after_topk
-    every_layer_moe = all(config.is_moe_layer(i) for i in range(config.n_layers))
-    if every_layer_moe and moe.num_shared_experts == 0 and renormalised and not config.attention_bias:
+    if not dense_layers and moe.num_shared_experts == 0 and renormalised and not config.attention_bias:
         return MIXTRAL
     return QWEN2_MOE
+
+
+def _deepseek_v3_architecture(config: ModelConfig, dense_layers: list[int]) -> str:
+    """DEEPSEEK_V3 for an MLA model that HF's DeepSeek-V3 computes exactly, or ConversionError."""
+    _refuse_if(
+        config.ffn_bias and bool(dense_layers),
+        "model.ffn_bias=True has no equivalent in DeepSeek-V3, whose dense MLPs are bias-free",
+    )
+    if config.moe is None:
+        return DEEPSEEK_V3
+    moe, router = config.moe, config.moe.router
+    _refuse_if(
+        router.score_fn != "sigmoid",
+        f"moe.router.score_fn={router.score_fn!r} routing has no exact equivalent in DeepSeek-V3, which scores "
+        "experts by sigmoid",
+    )
+    _refuse_if(
+        moe.eval_capacity_factor is not None,
+        f"moe.eval_capacity_factor={moe.eval_capacity_factor} drops tokens at inference, but DeepSeek-V3 is dropless",
+    )
+    _refuse_if(
+        dense_layers != list(range(moe.first_dense_layers)),
+        f"moe.moe_layer_interval={moe.moe_layer_interval} interleaves dense layers, but DeepSeek-V3's dense layers "
+        "are only the first first_k_dense_replace",
+    )
+    _refuse_if(
+        moe.num_experts // router.n_group < 2,
+        f"moe.router.n_group={router.n_group} makes groups of one expert, whose score DeepSeek-V3 takes as a "
+        "top-2 sum that such a group does not have",
+    )
+    return DEEPSEEK_V3
 
 
 def _rope(config: ModelConfig) -> dict:
@@ -100,6 +185,8 @@ def hf_config(config: ModelConfig, **token_ids) -> object:
 
     arch = hf_architecture(config)
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **token_ids}
+    if arch == DEEPSEEK_V3:
+        return _deepseek_v3_config(config, ids)
     common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.d_model,
@@ -146,6 +233,77 @@ def hf_config(config: ModelConfig, **token_ids) -> object:
     )
 
 
+def _deepseek_v3_config(config: ModelConfig, ids: dict) -> object:
+    import transformers
+
+    mla, moe = config.mla, config.moe
+    if moe is None:  # every layer dense: a nominal one-expert router that no layer builds
+        routing = dict(
+            first_k_dense_replace=config.n_layers,
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=1,
+            n_shared_experts=0,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        )
+    else:
+        routing = dict(
+            first_k_dense_replace=moe.first_dense_layers,
+            n_routed_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.expert_d_ff,
+            n_shared_experts=moe.num_shared_experts,
+            n_group=moe.router.n_group,
+            topk_group=moe.router.topk_group,
+            norm_topk_prob=moe.router.renormalize_topk,
+            routed_scaling_factor=float(moe.router.routed_scaling_factor),
+        )
+    return transformers.DeepseekV3Config(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_heads,  # MLA's keys are per head already: no grouping
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rope_interleave=True,
+        attention_bias=config.attention_bias,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        tie_word_embeddings=config.tie_embeddings,
+        initializer_range=config.init_std,
+        num_mtp_layers=0,
+        architectures=[DEEPSEEK_V3],
+        **routing,
+        **_rope(config),
+        **ids,
+    )
+
+
+def _rope_permutation(rope_dim: int) -> torch.Tensor:
+    """Index p with interleaved[j] = rotate_half[p[j]]: p = [0, r/2, 1, r/2 + 1, …]."""
+    return torch.arange(rope_dim).view(2, rope_dim // 2).t().flatten()
+
+
+def _permute_rope_rows(w: torch.Tensor, heads: int, nope: int, rope: int, to_interleaved: bool) -> torch.Tensor:
+    """`w` (weight [heads·(nope + rope), …] or bias) with the last `rope` rows of every head moved between our
+    rotate-half order and HF's interleaved order (module docstring)."""
+    order = _rope_permutation(rope)
+    if not to_interleaved:
+        order = order.argsort()
+    w_hx = w.reshape(heads, nope + rope, *w.shape[1:])
+    index = torch.cat((torch.arange(nope), nope + order))
+    return w_hx[:, index].reshape(w.shape).contiguous()
+
+
 # ---- weight names: (ours, HF) per layer, for the plain 2-D tensors that are copied as they are ---------------------
 
 _ATTN = {"w_q": "q_proj", "w_k": "k_proj", "w_v": "v_proj", "w_o": "o_proj"}
@@ -159,6 +317,8 @@ def to_hf(config: ModelConfig, state_dict: dict[str, torch.Tensor], **token_ids)
     sd = state_dict
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["final_norm.weight"]}
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["lm_head.weight"]
+    if arch == DEEPSEEK_V3:
+        return hf, {**out, **_deepseek_v3_layers_to_hf(config, sd)}
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
         out[f"{theirs}.input_layernorm.weight"] = sd[f"{ours}.attn_norm.weight"]
@@ -178,26 +338,100 @@ def to_hf(config: ModelConfig, state_dict: dict[str, torch.Tensor], **token_ids)
                 if config.ffn_bias:
                     out[f"{theirs}.mlp.{hf_name}.bias"] = sd[f"{ours}.ffn.{our_name}.bias"]
             continue
-        # Experts: ours x @ w[e] with w_gate/w_up [E, D, F], w_down [E, F, D]; HF F.linear with gate_up_proj
-        # [E, 2F, D] (gate rows first) and down_proj [E, D, F].
         out[f"{theirs}.mlp.gate.weight"] = sd[f"{ours}.ffn.router.weight"]
-        gate_EFD = sd[f"{ours}.ffn.experts.w_gate"].transpose(1, 2)
-        up_EFD = sd[f"{ours}.ffn.experts.w_up"].transpose(1, 2)
-        out[f"{theirs}.mlp.experts.gate_up_proj"] = torch.cat((gate_EFD, up_EFD), dim=1).contiguous()
-        out[f"{theirs}.mlp.experts.down_proj"] = sd[f"{ours}.ffn.experts.w_down"].transpose(1, 2).contiguous()
+        _experts_to_hf(sd, ours, theirs, out)
         if arch == QWEN2_MOE:
             shared = f"{theirs}.mlp.shared_expert"
             D, S = config.d_model, config.moe.num_shared_experts * config.moe.expert_d_ff
-            out[f"{theirs}.mlp.shared_expert_gate.weight"] = torch.zeros(1, D, dtype=gate_EFD.dtype)
+            dtype = out[f"{theirs}.mlp.gate.weight"].dtype
+            out[f"{theirs}.mlp.shared_expert_gate.weight"] = torch.zeros(1, D, dtype=dtype)
             if S == 0:  # Qwen2-MoE always builds a shared expert: a zero-width one adds exactly 0
                 for hf_name, shape in (("gate_proj", (0, D)), ("up_proj", (0, D)), ("down_proj", (D, 0))):
-                    out[f"{shared}.{hf_name}.weight"] = torch.zeros(shape, dtype=gate_EFD.dtype)
+                    out[f"{shared}.{hf_name}.weight"] = torch.zeros(shape, dtype=dtype)
                 continue
             for our_name, hf_name in _MLP.items():
                 out[f"{shared}.{hf_name}.weight"] = sd[f"{ours}.ffn.shared_experts.{our_name}.weight"]
             # sigmoid(0) = 1/2 exactly; ×2 is exact in floating point, so 1/2 · (h · 2W) == h · W bit for bit.
             out[f"{shared}.down_proj.weight"] = out[f"{shared}.down_proj.weight"] * 2
     return hf, out
+
+
+def _experts_to_hf(sd: dict, ours: str, theirs: str, out: dict) -> None:
+    """Ours x @ w[e] with w_gate/w_up [E, D, F], w_down [E, F, D]; HF F.linear with gate_up_proj [E, 2F, D] (gate
+    rows first) and down_proj [E, D, F]."""
+    gate_EFD = sd[f"{ours}.ffn.experts.w_gate"].transpose(1, 2)
+    up_EFD = sd[f"{ours}.ffn.experts.w_up"].transpose(1, 2)
+    out[f"{theirs}.mlp.experts.gate_up_proj"] = torch.cat((gate_EFD, up_EFD), dim=1).contiguous()
+    out[f"{theirs}.mlp.experts.down_proj"] = sd[f"{ours}.ffn.experts.w_down"].transpose(1, 2).contiguous()
+
+
+def _experts_from_hf(sd: dict, theirs: str, ours: str, out: dict) -> None:
+    gate_EFD, up_EFD = sd[f"{theirs}.mlp.experts.gate_up_proj"].chunk(2, dim=1)
+    out[f"{ours}.ffn.experts.w_gate"] = gate_EFD.transpose(1, 2).contiguous()
+    out[f"{ours}.ffn.experts.w_up"] = up_EFD.transpose(1, 2).contiguous()
+    out[f"{ours}.ffn.experts.w_down"] = sd[f"{theirs}.mlp.experts.down_proj"].transpose(1, 2).contiguous()
+
+
+def _mla_names(config: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(our name, HF name, whether its rows carry RoPE rows to permute) of one MLA layer's tensors."""
+    if config.mla.q_lora_rank is None:
+        names = [("w_q.weight", "q_proj.weight", True)]
+    else:
+        names = [
+            ("w_q.0.weight", "q_a_proj.weight", False),
+            ("w_q.1.weight", "q_a_layernorm.weight", False),
+            ("w_q.2.weight", "q_b_proj.weight", True),
+        ]
+        if config.attention_bias:
+            names.append(("w_q.0.bias", "q_a_proj.bias", False))
+    names += [
+        ("w_kv_down.weight", "kv_a_proj_with_mqa.weight", True),
+        ("kv_norm.weight", "kv_a_layernorm.weight", False),
+        ("w_kv_up.weight", "kv_b_proj.weight", False),
+        ("w_o.weight", "o_proj.weight", False),
+    ]
+    if config.attention_bias:
+        names += [("w_kv_down.bias", "kv_a_proj_with_mqa.bias", True), ("w_o.bias", "o_proj.bias", False)]
+    return names
+
+
+def _mla_rope_rows(config: ModelConfig, our_name: str) -> tuple[int, int, int]:
+    """(heads, rows before the RoPE rows, RoPE rows) of a tensor whose RoPE rows move: the query projection per
+    head [n; r], the KV down projection once [C; r]."""
+    mla = config.mla
+    if our_name.startswith("w_q"):
+        return config.n_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    return 1, mla.kv_lora_rank, mla.qk_rope_head_dim
+
+
+def _deepseek_v3_layers_to_hf(config: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        out[f"{theirs}.input_layernorm.weight"] = sd[f"{ours}.attn_norm.weight"]
+        out[f"{theirs}.post_attention_layernorm.weight"] = sd[f"{ours}.ffn_norm.weight"]
+        for our_name, hf_name, has_rope_rows in _mla_names(config):
+            tensor = sd[f"{ours}.attn.{our_name}"]
+            if has_rope_rows:
+                tensor = _permute_rope_rows(tensor, *_mla_rope_rows(config, our_name), to_interleaved=True)
+            out[f"{theirs}.self_attn.{hf_name}"] = tensor
+        if not config.is_moe_layer(i):
+            for our_name, hf_name in _MLP.items():
+                out[f"{theirs}.mlp.{hf_name}.weight"] = sd[f"{ours}.ffn.{our_name}.weight"]
+            continue
+        router_weight = sd[f"{ours}.ffn.router.weight"]
+        out[f"{theirs}.mlp.gate.weight"] = router_weight
+        zero_bias = torch.zeros(config.moe.num_experts, dtype=torch.float32)  # no selection bias: chooses as ours
+        out[f"{theirs}.mlp.gate.e_score_correction_bias"] = sd.get(f"{ours}.ffn.router.expert_bias", zero_bias)
+        _experts_to_hf(sd, ours, theirs, out)
+        D, S = config.d_model, config.moe.num_shared_experts * config.moe.expert_d_ff
+        for our_name, hf_name in _MLP.items():
+            shape = (S, D) if hf_name != "down_proj" else (D, S)  # a zero-width shared expert adds exactly 0
+            zero = torch.zeros(shape, dtype=router_weight.dtype)
+            out[f"{theirs}.mlp.shared_experts.{hf_name}.weight"] = (
+                sd[f"{ours}.ffn.shared_experts.{our_name}.weight"] if S else zero
+            )
+    return out
 
 
 def _moe_layer_pattern(moe_layers: list[bool]) -> tuple[int, int]:
@@ -216,26 +450,49 @@ def _moe_layer_pattern(moe_layers: list[bool]) -> tuple[int, int]:
 
 def load_hf_model_dir(path: str | Path) -> tuple[object, dict[str, torch.Tensor]]:
     """(transformers config, fp32 in-memory state dict) of a model directory; transformers itself reads either
-    expert layout (per-expert 2-D files or fused), and does so exactly."""
+    expert layout (per-expert 2-D files or fused), and does so exactly. DeepSeek-V3's MTP tensors, which
+    transformers drops, are named from the files' headers in a printed note."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32)
+    if model.config.model_type == "deepseek_v3":
+        from safetensors import safe_open
+
+        names = []
+        for file in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                names += list(f.keys())
+        _note_ignored_mtp(model.config, names)
     return model.config, model.state_dict()
+
+
+def _note_ignored_mtp(hf: object, names: list[str]) -> None:
+    """Print how many of `names` are DeepSeek-V3 MTP tensors: the layer indices after the last decoder layer (the
+    regex transformers ignores them by is model.layers.61 for the full model's 61 layers)."""
+    prefix = f"model.layers.{hf.num_hidden_layers}."
+    if mtp := [name for name in names if name.startswith(prefix)]:
+        print(
+            f"note: ignored {len(mtp)} multi-token-prediction tensors ({prefix}*), which neither transformers' "
+            "DeepseekV3ForCausalLM nor moe.Transformer models"
+        )
 
 
 def from_hf(
     hf: object | str | Path, hf_state_dict: dict[str, torch.Tensor] | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(ModelConfig, our state dict) from a Llama, Qwen2, Mixtral or Qwen2-MoE config and its in-memory state dict
-    (`model.state_dict()` of a loaded transformers model), or from a model directory alone; refuses what ours
-    cannot compute exactly."""
+    """(ModelConfig, our state dict) from a Llama, Qwen2, Mixtral, Qwen2-MoE or DeepSeek-V3 config and its
+    in-memory state dict (`model.state_dict()` of a loaded transformers model), or from a model directory alone;
+    refuses what ours cannot compute exactly."""
     if hf_state_dict is None:
         hf, hf_state_dict = load_hf_model_dir(hf)
     model_type = hf.model_type
     _refuse_if(
-        model_type not in ("llama", "qwen2", "mixtral", "qwen2_moe"),
-        f"model_type={model_type!r} is not one of the importable architectures llama, qwen2, mixtral, qwen2_moe",
+        model_type not in ("llama", "qwen2", "mixtral", "qwen2_moe", "deepseek_v3"),
+        f"model_type={model_type!r} is not one of the importable architectures llama, qwen2, mixtral, qwen2_moe, "
+        "deepseek_v3",
     )
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_from_hf(hf, hf_state_dict)
     _refuse_if(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r} is not SwiGLU's silu")
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
     _refuse_if(
@@ -334,11 +591,7 @@ def from_hf(
                     out[f"{ours}.ffn.{our_name}.bias"] = sd[f"{theirs}.mlp.{hf_name}.bias"]
             continue
         out[f"{ours}.ffn.router.weight"] = sd[f"{theirs}.mlp.gate.weight"]
-        gate_up_E2FD = sd[f"{theirs}.mlp.experts.gate_up_proj"]
-        gate_EFD, up_EFD = gate_up_E2FD.chunk(2, dim=1)
-        out[f"{ours}.ffn.experts.w_gate"] = gate_EFD.transpose(1, 2).contiguous()
-        out[f"{ours}.ffn.experts.w_up"] = up_EFD.transpose(1, 2).contiguous()
-        out[f"{ours}.ffn.experts.w_down"] = sd[f"{theirs}.mlp.experts.down_proj"].transpose(1, 2).contiguous()
+        _experts_from_hf(sd, theirs, ours, out)
         if model_type == "qwen2_moe":
             _refuse_if(
                 bool(sd[f"{theirs}.mlp.shared_expert_gate.weight"].any()),
@@ -350,4 +603,103 @@ def from_hf(
                 for our_name, hf_name in _MLP.items():
                     out[f"{ours}.ffn.shared_experts.{our_name}.weight"] = sd[f"{shared}.{hf_name}.weight"]
                 out[f"{ours}.ffn.shared_experts.w_down.weight"] = sd[f"{shared}.down_proj.weight"] / 2  # gate = 1/2
+    return config, out
+
+
+def _deepseek_v3_from_hf(hf: object, sd: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The DeepSeek-V3 half of `from_hf` (module docstring: decisions)."""
+    _refuse_if(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r} is not SwiGLU's silu")
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
+    _refuse_if(
+        rope.get("rope_type", "default") != "default",
+        f"rope_parameters rope_type={rope.get('rope_type')!r} (scaled RoPE, which also rescales the softmax) is not "
+        "the plain RoPE moe.Transformer computes",
+    )
+    _refuse_if(
+        hf.num_key_value_heads != hf.num_attention_heads,
+        f"num_key_value_heads={hf.num_key_value_heads} differs from num_attention_heads={hf.num_attention_heads}, "
+        "so transformers would repeat MLA's per-head keys, which moe.Transformer never does",
+    )
+    L = hf.num_hidden_layers
+    first = min(hf.first_k_dense_replace or 0, L)
+    moe = None
+    if first < L:
+        E, n_group, topk_group = hf.n_routed_experts, hf.n_group or 1, hf.topk_group or 1
+        _refuse_if(
+            E // n_group < 2,
+            f"n_group={n_group} makes groups of one of n_routed_experts={E}, which transformers cannot score (it "
+            "sums each group's top 2)",
+        )
+        _refuse_if(
+            bool(hf.norm_topk_prob) and hf.num_experts_per_tok == 1,
+            "DeepSeek-V3 with top-1 routing and norm_topk_prob has a constant gate, which moe.router cannot express",
+        )
+        moe = MoEConfig(
+            num_experts=E,
+            top_k=hf.num_experts_per_tok,
+            expert_d_ff=hf.moe_intermediate_size,
+            num_shared_experts=hf.n_shared_experts,
+            first_dense_layers=first,
+            router=RouterConfig(
+                score_fn="sigmoid",
+                renormalize_topk=bool(hf.norm_topk_prob),
+                bias_update_rate=DEEPSEEK_V3_BIAS_UPDATE_RATE,
+                n_group=n_group,
+                topk_group=topk_group,
+                routed_scaling_factor=float(hf.routed_scaling_factor),
+            ),
+        )
+    heads = hf.num_attention_heads
+    config = ModelConfig(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=L,
+        n_heads=heads,
+        head_dim=None if hf.hidden_size % heads == 0 else hf.v_head_dim,  # MLA's shapes are all in `mla`
+        attention="mla",
+        mla=MLAConfig(
+            q_lora_rank=hf.q_lora_rank,
+            kv_lora_rank=hf.kv_lora_rank,
+            qk_nope_head_dim=hf.qk_nope_head_dim,
+            qk_rope_head_dim=hf.qk_rope_head_dim,
+            v_head_dim=hf.v_head_dim,
+        ),
+        d_ff=hf.intermediate_size,
+        max_seq_len=hf.max_position_embeddings,
+        pos_encoding="rope",
+        rope_theta=float(rope["rope_theta"]),
+        norm="rmsnorm",
+        norm_eps=hf.rms_norm_eps,
+        activation="swiglu",
+        attention_bias=bool(hf.attention_bias),
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        init_std=hf.initializer_range,
+        moe=moe,
+    )
+    _note_ignored_mtp(hf, list(sd))
+
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
+    out["lm_head.weight"] = out["embed.weight"] if config.tie_embeddings else sd["lm_head.weight"]
+    interleaved = hf.rope_interleave is not False  # transformers' default is True
+    for i in range(L):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        out[f"{ours}.attn_norm.weight"] = sd[f"{theirs}.input_layernorm.weight"]
+        out[f"{ours}.ffn_norm.weight"] = sd[f"{theirs}.post_attention_layernorm.weight"]
+        for our_name, hf_name, has_rope_rows in _mla_names(config):
+            tensor = sd[f"{theirs}.self_attn.{hf_name}"]
+            if has_rope_rows and interleaved:
+                tensor = _permute_rope_rows(tensor, *_mla_rope_rows(config, our_name), to_interleaved=False)
+            out[f"{ours}.attn.{our_name}"] = tensor
+        if i < first:
+            for our_name, hf_name in _MLP.items():
+                out[f"{ours}.ffn.{our_name}.weight"] = sd[f"{theirs}.mlp.{hf_name}.weight"]
+            continue
+        out[f"{ours}.ffn.router.weight"] = sd[f"{theirs}.mlp.gate.weight"]
+        out[f"{ours}.ffn.router.expert_bias"] = sd[f"{theirs}.mlp.gate.e_score_correction_bias"].float()
+        out[f"{ours}.ffn.router.load_since_update"] = torch.zeros(moe.num_experts, dtype=torch.int64)
+        _experts_from_hf(sd, theirs, ours, out)
+        shared = f"{theirs}.mlp.shared_experts"
+        if moe.num_shared_experts:
+            for our_name, hf_name in _MLP.items():
+                out[f"{ours}.ffn.shared_experts.{our_name}.weight"] = sd[f"{shared}.{hf_name}.weight"]
     return config, out

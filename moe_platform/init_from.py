@@ -22,10 +22,12 @@ from moe_platform.config import ConfigError, TrainConfig, load_run_config
 from moe_platform.upcycle import upcycle_state_dict
 
 # Fields that shape no weight and change no loaded number, only how the run trains (or, max_seq_len, how far it
-# reads; learned positions are a weight, whose shape the strict load checks): a run may set them its own way. A
-# Hugging Face config has no say on them at all.
+# reads; learned positions are a weight, whose shape the strict load checks; absorb_decode, how a cached MLA decode
+# runs, with the same logits up to rounding): a run may set them its own way. A Hugging Face config has no say on
+# them at all.
 _FREE_FIELDS = (
     "model.dropout",
+    "model.mla.absorb_decode",
     "model.init_std",
     "model.max_seq_len",
     "model.moe.capacity_factor",
@@ -110,13 +112,11 @@ def read_source(path: Path, config: TrainConfig) -> tuple[ModelConfig, dict[str,
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A transformers model dir through `hf_convert.from_hf`, which refuses what ours cannot compute exactly.
-    Loaded whole by transformers (shards, safetensors or .bin alike), in fp32, on the CPU of every rank."""
-    import transformers
-
+    Loaded whole by transformers (shards, safetensors or .bin alike), in fp32, on the CPU of every rank; a
+    DeepSeek-V3 dir's MTP tensors are left out with a printed note (hf_convert's docstring)."""
     from moe_platform.hf_convert import from_hf
 
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    config, state = from_hf(hf_model.config, hf_model.state_dict())
+    config, state = from_hf(path)
     return config, {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
 
 

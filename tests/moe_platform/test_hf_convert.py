@@ -178,7 +178,7 @@ def refuse(config: ModelConfig, needle: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (dict(pos_encoding="learned"), "learned absolute positions"),
+        (dict(pos_encoding="learned"), "model.pos_encoding=.learned. has no exact equivalent"),
         (dict(norm="layernorm"), "model.norm='layernorm'"),
         (dict(activation="gelu"), "model.activation='gelu'"),
         (dict(moe=moe(router=RouterConfig(score_fn="sigmoid"))), "score_fn='sigmoid'"),

@@ -175,3 +175,40 @@ def test_upcycle_needs_a_source_and_an_moe_model():
 def test_a_missing_source_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         initial_state_dict(_config(ModelConfig(), tmp_path / "nope"))
+
+
+def test_a_hugging_face_deepseek_v3_dir_is_adopted_and_starts_at_its_loss(tmp_path):
+    """No `model=...`: the run takes MLA, sigmoid group-limited routing and the selection bias from the HF dir's
+    config, loads its weights exactly, and its first loss is transformers' own loss on that batch. An override of
+    the source's own MLA settings (absorb_decode, a free field) applies on top of the adopted model."""
+    transformers = pytest.importorskip("transformers")
+
+    hf_config = transformers.DeepseekV3Config(
+        vocab_size=258, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64, num_mtp_layers=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in theirs.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    theirs.save_pretrained(tmp_path / "hf")
+    result = _moe_train_without_model_choice(
+        tmp_path / "run", f"init.from_path={tmp_path / 'hf'}", "trainer.max_steps=1", "model.mla.absorb_decode=false"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = load_run_config(tmp_path / "run" / "config.yaml")
+    assert (config.model.attention, config.model.mla.kv_lora_rank) == ("mla", 16)
+    assert config.model.mla.absorb_decode is False
+    assert config.model.moe.router.n_group == 4 and config.model.moe.router.bias_update_rate > 0
+    micro = config.trainer.micro_batch_size
+    batches = iter(build_loaders(config.data, 0, 1, micro, model_vocab_size=config.model.vocab_size).train)
+    with torch.no_grad():
+        losses = []
+        for _ in range(config.data.global_batch_size // micro):
+            batch = next(batches)
+            logits = theirs(batch["input_ids"]).logits
+            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    assert _losses(tmp_path / "run")[0] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
