@@ -207,8 +207,8 @@ def _mla_flops_per_token(config: ModelConfig, seq_len: int) -> tuple[int, int]:
     (training, prefill). Projections: query 2·D·H·(n+r), or through its latent 2·D·Q + 2·Q·H·(n+r); W_DKV and
     W_KR 2·D·(C+r); W_UK and W_UV on every token 2·C·H·(n+v); W_O 2·H·v·D. Attention over S keys: scores
     2·S·H·(n+r), A·V 2·S·H·max(v, n+r): values narrower than n + r are padded with zeros for SDPA's fused
-    kernels (moe/mla.py), and the padded columns are multiplied too. (Absorbed decode instead applies W_UK and W_UV per head, 2·H·C·(n+v), and attends
-    in the latent space, 2·S·H·(2·C+r); not this table.)"""
+    kernels (moe/mla.py), and the padded columns are multiplied too. (Absorbed decode instead applies W_UK and
+    W_UV per head, 2·H·C·(n+v), and attends in the latent space, 2·S·H·(2·C+r); not this table.)"""
     mla, D, H = config.mla, config.d_model, config.n_heads
     q_width = H * mla.qk_head_dim
     query = 2 * D * q_width if mla.q_lora_rank is None else 2 * D * mla.q_lora_rank + 2 * mla.q_lora_rank * q_width
