@@ -51,6 +51,13 @@ def build_attention_mask(
     return allowed_BTS[:, None]
 
 
+def require_a_visible_key(mask: torch.Tensor) -> None:
+    """Raise unless every query row of a boolean (True = may attend) or additive (-inf = may not) mask allows a key."""
+    allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+    if not bool(allowed.any(dim=-1).all()):
+        raise ValueError("attention mask leaves a query row with no visible key: every real query must see a key")
+
+
 def grouped_attention(
     q_BHTd: torch.Tensor,
     k_BKSd: torch.Tensor,
@@ -59,20 +66,21 @@ def grouped_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    check_mask: bool = True,
 ) -> torch.Tensor:
     """softmax(QKᵀ·scale + M)V with query head h reading KV head h // (H / K); returns (B, H, T, d_v).
 
     `mask` is boolean (True = may attend) or additive (a float bias, -inf = may not attend: ALiBi); `scale`
     defaults to 1/√d of the query width. A query row whose mask allows no key has no softmax distribution; it is
-    an error, not a silent NaN or a uniform average.
+    an error, not a silent NaN or a uniform average. `check_mask=False`: the caller has checked this mask already,
+    as the Transformer does once per forward rather than in every layer (the check reads the device to the host,
+    which also splits a compiled block's graph).
     """
     n_heads, n_kv_heads = q_BHTd.shape[1], k_BKSd.shape[1]
     if n_heads % n_kv_heads != 0:
         raise ValueError(f"{n_heads} query heads cannot be grouped over {n_kv_heads} KV heads: use a divisor")
-    if mask is not None:
-        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
-        if not bool(allowed.any(dim=-1).all()):
-            raise ValueError("attention mask leaves a query row with no visible key: every real query must see a key")
+    if mask is not None and check_mask:
+        require_a_visible_key(mask)
     return F.scaled_dot_product_attention(
         q_BHTd,
         k_BKSd,
@@ -119,7 +127,13 @@ class Attention(nn.Module):
         # Without a mask and without a prefix, plain causal attention takes SDPA's fused causal path.
         is_causal = mask is None and k_BKSd.shape[2] == T and T > 1
         z_BHTd = grouped_attention(
-            q_BHTd, k_BKSd, v_BKSd, mask=mask, is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0
+            q_BHTd,
+            k_BKSd,
+            v_BKSd,
+            mask=mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            check_mask=False,  # Transformer.forward checked it once
         )
         z_BTD = z_BHTd.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # heads back beside each other
         return self.w_o(z_BTD)

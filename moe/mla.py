@@ -108,6 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
             is_causal=mask is None and S == T and T > 1,
             dropout_p=self.dropout if self.training else 0.0,
             scale=1.0 / math.sqrt(self.nope_dim + self.rope_dim),
+            check_mask=False,  # Transformer.forward checked it once
         )
         return z[..., :v_width]
 

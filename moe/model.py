@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.alibi import alibi_bias
-from moe.attention import Attention, build_attention_mask
+from moe.attention import Attention, build_attention_mask, require_a_visible_key
 from moe.checkpointing import MODES as CHECKPOINTING_MODES
 from moe.checkpointing import recompute_in_backward
 from moe.config import ModelConfig
@@ -168,6 +168,8 @@ class Transformer(nn.Module):
             mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT, document_ids_BT)
         if self.config.pos_encoding == "alibi":  # the distance bias, -inf where `mask` (or causality) forbids
             mask = alibi_bias(positions_T, prefix + T, self.config.n_heads, x_BTD.dtype, mask)
+        if mask is not None:
+            require_a_visible_key(mask)  # once per forward; the layers trust it
 
         moe_outputs: list[MoEOutput | None] = []
         for block in self.blocks:
