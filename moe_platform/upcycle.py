@@ -8,7 +8,8 @@ into m disjoint slices of f units gives FFN(x) = Σ_j slice_j(x) exactly, and sc
 its output by c. The routed part of an MoE layer, Σ_{k in top-K} g_k Expert_k(x), equals R(x) for *any* routing
 whose gates sum to one (renormalised top-k, softmax after top-k) exactly when every routed expert is the same R.
 So the layer reproduces the dense FFN for every token when the S shared experts and the one routed "slot" are
-S + 1 pieces of width f that sum to it:
+S + 1 pieces of width f that sum to it. With `routed_scaling_factor` ρ (DeepSeek-V3) the gates sum to ρ, not one,
+so every routed expert's w_down is further scaled by 1/ρ (the shared experts are not gated and keep their scale):
 
   * exact (S + 1 a multiple of m; e.g. f = F with any S, or F = (S + 1)·f): piece p = slice (p mod m) with w_down
     scaled by m / (S + 1); shared expert s = piece s, every routed expert = piece S. Logits equal the dense
@@ -22,7 +23,8 @@ S + 1 pieces of width f that sum to it:
   * anything else (S + 1 not a multiple of m ≤ S + 1, or f not dividing F) is refused.
 
 The router is drawn fresh (N(0, init_std²) from `seed`), the aux-loss-free balancing bias and its load counter
-start at zero, and every other tensor (embeddings, attention, norms, dense layers' FFNs, lm_head) is copied.
+start at zero, and every other tensor (embeddings, attention, norms, dense layers' FFNs, lm_head) is copied by
+name, whatever the attention's parameters are (GQA's w_q/w_k/w_v/w_o, MLA's latents and norms).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def upcycle_state_dict(
         w_up_FD = dense_state[prefix + "w_up.weight"]
         w_down_DF = dense_state[prefix + "w_down.weight"]
         routed, shared = _pieces(moe_config.d_ff, moe.expert_d_ff, moe.num_shared_experts, moe.num_experts)
+        # The routed gates sum to ρ = routed_scaling_factor: the routed slot carries its piece divided by ρ.
+        routed = [(units, scale / moe.router.routed_scaling_factor) for units, scale in routed]
         # Experts store [E, D, f] / [E, f, D]: the transposes of the dense Linear weights' slices.
         for proj, weight_FD in (("w_gate", w_gate_FD), ("w_up", w_up_FD)):
             if weight_FD is not None:
@@ -101,6 +105,9 @@ def check_upcycle_configs(dense_config: ModelConfig, moe_config: ModelConfig) ->
         if field.name in ("moe", "init_std", "dropout", "max_seq_len"):  # the FFN, or no weight's shape or value
             continue
         dense_value, moe_value = getattr(dense_config, field.name), getattr(moe_config, field.name)
+        if field.name == "mla" and dense_value is not None and moe_value is not None:
+            # absorb_decode chooses how a cached decode runs, not a weight: the run may set it its own way.
+            moe_value = dataclasses.replace(moe_value, absorb_decode=dense_value.absorb_decode)
         if dense_value != moe_value:
             raise ModelConfigError(
                 f"model.{field.name}={moe_value!r} differs from the dense source's {dense_value!r}: upcycling changes "

@@ -1,9 +1,12 @@
 """Activation checkpointing recomputes instead of keeping: same numbers, fewer saved bytes, side effects once."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from moe.config import ModelConfig
+from moe.mla_config import MLAConfig
 from moe.model import Transformer
 from moe.moe_config import MoEConfig, RouterConfig
 
@@ -14,12 +17,26 @@ CONFIG = ModelConfig(
         router=RouterConfig(jitter_eps=0.1, bias_update_rate=1e-3),
     ),
 )  # fmt: skip
+# DeepSeek-V3's routing (group-limited sigmoid choice with the balancing bias, routed scaling), with MLA attention
+# (both latents) or with ALiBi biases on GQA: recomputation must replay them as exactly as the plain model.
+V3_MOE = dataclasses.replace(
+    CONFIG.moe, num_experts=8,
+    router=RouterConfig(
+        jitter_eps=0.1, score_fn="sigmoid", bias_update_rate=1e-3, n_group=4, topk_group=2, routed_scaling_factor=2.5
+    ),
+)  # fmt: skip
+MLA = MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+CONFIGS = {
+    "gqa": CONFIG,
+    "mla_v3": dataclasses.replace(CONFIG, n_kv_heads=None, attention="mla", mla=MLA, moe=V3_MOE),
+    "alibi_v3": dataclasses.replace(CONFIG, pos_encoding="alibi", moe=V3_MOE),
+}
 
 
-def train_forward_backward(mode: str, attention_mask_BT: torch.Tensor | None = None):
+def train_forward_backward(mode: str, attention_mask_BT: torch.Tensor | None = None, config: ModelConfig = CONFIG):
     """One training forward+backward from the same weights and noise seed; dropout, jitter and capacity drops on."""
     torch.manual_seed(0)
-    model = Transformer(CONFIG).train()
+    model = Transformer(config).train()
     model.set_activation_checkpointing(mode)
     input_ids_BT = torch.randint(0, CONFIG.vocab_size, (4, 32), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)
@@ -38,16 +55,17 @@ def train_forward_backward(mode: str, attention_mask_BT: torch.Tensor | None = N
     return output.logits.detach(), grads, counts, sum(saved_bytes)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_recomputation_gives_bit_identical_logits_gradients_and_router_counts(padded: bool) -> None:
+def test_recomputation_gives_bit_identical_logits_gradients_and_router_counts(padded: bool, config: str) -> None:
     mask_BT = None
     if padded:
         mask_BT = torch.ones(4, 32, dtype=torch.long)
         mask_BT[1, :5] = 0
         mask_BT[3, :17] = 0
-    logits, grads, counts, _ = train_forward_backward("none", mask_BT)
+    logits, grads, counts, _ = train_forward_backward("none", mask_BT, CONFIGS[config])
     for mode in ("moe", "full"):
-        logits_m, grads_m, counts_m, _ = train_forward_backward(mode, mask_BT)
+        logits_m, grads_m, counts_m, _ = train_forward_backward(mode, mask_BT, CONFIGS[config])
         assert torch.equal(logits_m, logits), mode
         for name, grad in grads.items():
             assert torch.equal(grads_m[name], grad), (mode, name)

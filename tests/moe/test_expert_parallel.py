@@ -5,23 +5,32 @@ import pytest
 import torch
 
 from moe.expert_parallel import ExpertParallel, _source_to_expert_order, is_expert_parameter
-from moe.moe_config import MoEConfig
+from moe.moe_config import MoEConfig, RouterConfig
 from moe.moe_layer import MoELayer
 from moe_platform.testing import run_distributed
 
 D, E, K, T = 16, 8, 2, 12
 
 
-def layer_config(capacity_factor: float | None) -> MoEConfig:
+# DeepSeek-V3's routing: sigmoid scores plus the balancing bias choose top-2 inside the best 2 of 4 expert groups,
+# gates scaled by 2.5. The router runs on the token's own rank, before dispatch, so EP must not change it.
+V3_ROUTER = RouterConfig(score_fn="sigmoid", bias_update_rate=1e-3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def layer_config(capacity_factor: float | None, routing: str = "softmax") -> MoEConfig:
+    router = V3_ROUTER if routing == "v3" else RouterConfig()
     return MoEConfig(
-        num_experts=E, top_k=K, expert_d_ff=24, capacity_factor=capacity_factor, min_capacity=1, num_shared_experts=1
-    )
+        num_experts=E, top_k=K, expert_d_ff=24, capacity_factor=capacity_factor, min_capacity=1, num_shared_experts=1,
+        router=router,
+    )  # fmt: skip
 
 
-def build_layer(capacity_factor: float | None, skew: str) -> MoELayer:
+def build_layer(capacity_factor: float | None, skew: str, routing: str = "softmax") -> MoELayer:
     torch.manual_seed(0)
-    layer = MoELayer(D, layer_config(capacity_factor), "swiglu").double()
+    layer = MoELayer(D, layer_config(capacity_factor, routing), "swiglu").double()
     with torch.no_grad():
+        if routing == "v3":  # a bias large enough to change choices, as after some balancing
+            layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E, dtype=layer.router.expert_bias.dtype))
         if skew == "one_rank":  # positive inputs pick experts 0 and 1: all work lands on the rank holding block 0
             layer.router.weight.fill_(-1.0)
             layer.router.weight[:2].fill_(1.0)
@@ -44,12 +53,12 @@ def ep_forward_backward_cases(rank: int, world_size: int, cases: list[tuple]) ->
     return {case: ep_forward_backward(rank, world_size, *case[1:]) for case in cases}
 
 
-def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_factor, skew: str):
+def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_factor, skew: str, routing="softmax"):
     import torch.distributed as dist
 
     from moe_platform.expert_parallel import build_groups, reduce_expert_gradients, shard_model
 
-    layer = build_layer(capacity_factor, skew)
+    layer = build_layer(capacity_factor, skew, routing)
     groups = build_groups(ep_size)
     shard_model(layer, groups)
     x, grad_out = rank_input(rank, skew)
@@ -66,10 +75,10 @@ def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_facto
     return out.output.detach(), x.grad, grads, (block.start, block.stop), out.stats
 
 
-def reference(world_size: int, capacity_factor, skew: str):
+def reference(world_size: int, capacity_factor, skew: str, routing: str = "softmax"):
     """One process, every expert: rank r's output and input gradient, and the parameter gradient of
     (1/W) Σ_r <out_r, grad_out_r> (what data parallelism averages)."""
-    layer = build_layer(capacity_factor, skew)
+    layer = build_layer(capacity_factor, skew, routing)
     outputs, input_grads = [], []
     for rank in range(world_size):
         x, grad_out = rank_input(rank, skew)
@@ -81,8 +90,9 @@ def reference(world_size: int, capacity_factor, skew: str):
     return outputs, input_grads, {name: p.grad for name, p in layer.named_parameters()}
 
 
-CASES = [  # (world size, EP size, capacity factor, routing skew)
+CASES = [  # (world size, EP size, capacity factor, routing skew[, routing])
     (2, 2, None, "none"),
+    (2, 2, None, "none", "v3"),  # group-limited sigmoid routing with bias and routed scaling
     (2, 2, 1.0, "none"),  # capacity drops on the token's own rank, as without EP
     (2, 2, None, "one_rank"),  # all rows go to one rank, the other computes nothing
     (2, 2, None, "idle_expert"),
@@ -102,11 +112,11 @@ def ep_runs() -> dict[tuple, list]:
     return results
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: "W{}-EP{}-cf{}-{}".format(*case))
+@pytest.mark.parametrize("case", CASES, ids=lambda case: "W{}-EP{}-cf{}-{}".format(*case) + "-v3" * (len(case) > 4))
 def test_an_ep_layer_computes_what_one_process_with_every_expert_computes(ep_runs, case):
-    world_size, ep_size, capacity_factor, skew = case
+    world_size, ep_size, capacity_factor, skew, *routing = case
     ranks = ep_runs[case]
-    outputs, input_grads, param_grads = reference(world_size, capacity_factor, skew)
+    outputs, input_grads, param_grads = reference(world_size, capacity_factor, skew, *routing)
     for rank, (out, x_grad, grads, (first, stop), _) in enumerate(ranks):
         torch.testing.assert_close(out, outputs[rank], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(x_grad, input_grads[rank], rtol=1e-10, atol=1e-12)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe import ModelConfig, ModelConfigError, Transformer
+from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig, RouterConfig
 from moe_platform.upcycle import upcycle_state_dict
 
@@ -102,3 +103,53 @@ def test_configs_that_disagree_are_refused_in_one_sentence(change, message):
 def test_an_moe_source_is_refused():
     with pytest.raises(ModelConfigError, match="already has MoE layers"):
         upcycle_state_dict(_moe(), {}, _moe())
+
+
+MLA_DENSE = dataclasses.replace(
+    DENSE, n_kv_heads=None, attention="mla",
+    mla=MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+)  # fmt: skip
+# DeepSeek-V3's routing: sigmoid scores with the balancing bias, top-2 inside the best 2 of 4 groups, gates scaled
+# by 2.5, a shared expert of half the FFN beside the routed half, the first layer dense.
+V3_MOE = MoEConfig(
+    num_experts=8, top_k=2, expert_d_ff=32, num_shared_experts=1, first_dense_layers=1,
+    router=RouterConfig(score_fn="sigmoid", bias_update_rate=1e-3, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "dense_config", [MLA_DENSE, dataclasses.replace(DENSE, pos_encoding="alibi")], ids=["mla", "gqa_alibi"]
+)
+def test_a_dense_model_upcycles_into_deepseek_v3_routing_with_equal_logits(dense_config):
+    """Every attention tensor (MLA's w_q latent and norm, w_kv_down, kv_norm, w_kv_up, w_o) is carried across by
+    name, and the routed experts' share is divided by routed_scaling_factor, so the logits are the dense model's
+    for any group-limited choice. (MLA takes its positions from its own RoPE branch: ALiBi goes with GQA.)"""
+    moe_config = dataclasses.replace(dense_config, moe=V3_MOE)
+    torch.manual_seed(0)
+    dense = Transformer(dense_config).eval()
+    state = upcycle_state_dict(dense_config, dense.state_dict(), moe_config, seed=1)
+    attention = {name for name in dense.state_dict() if ".attn." in name}
+    if dense_config.attention == "mla":
+        assert {"blocks.0.attn.w_kv_down.weight", "blocks.0.attn.kv_norm.weight", "blocks.3.attn.w_q.1.weight"} <= (
+            attention
+        )
+    for name in attention:
+        assert torch.equal(state[name], dense.state_dict()[name]), name
+    model = Transformer(moe_config).eval()
+    model.load_state_dict(state, strict=True)
+    ids_BT = torch.randint(0, DENSE.vocab_size, (3, 16))
+    with torch.no_grad():
+        assert (model(ids_BT).logits - dense(ids_BT).logits).abs().max().item() < 1e-5
+
+
+def test_routed_scaling_alone_keeps_upcycling_exact():
+    assert _upcycled_vs_dense(_moe(router=RouterConfig(routed_scaling_factor=2.5))) < 1e-5
+
+
+def test_mla_shapes_must_match_but_absorbed_decoding_is_the_runs_choice():
+    dense = Transformer(MLA_DENSE).state_dict()
+    absorbed = dataclasses.replace(MLA_DENSE.mla, absorb_decode=not MLA_DENSE.mla.absorb_decode)
+    upcycle_state_dict(MLA_DENSE, dense, dataclasses.replace(MLA_DENSE, mla=absorbed, moe=V3_MOE))
+    narrower = dataclasses.replace(MLA_DENSE.mla, kv_lora_rank=8)
+    with pytest.raises(ModelConfigError, match=r"model.mla=.* differs from the dense source's"):
+        upcycle_state_dict(MLA_DENSE, dense, dataclasses.replace(MLA_DENSE, mla=narrower, moe=V3_MOE))

@@ -1,0 +1,164 @@
+"""The training features that predate MLA, ALiBi and DeepSeek-V3's routing, each with them: document masks, padding,
+torch.compile of a block, and the NaN guard naming an MLA sub-module. `init.upcycle` from a dense MLA run.
+(Activation checkpointing, expert parallelism and upcycling's exactness are checked with these models in
+tests/moe/test_checkpointing.py, tests/moe/test_expert_parallel.py and tests/moe_platform/test_upcycle.py; ZeRO-2
+training and resume in test_deepseek_v3_training.py.)
+
+Models are dropless (capacity_factor=None): a capacity limit couples tokens through the experts, not the attention."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_pipeline import build_loaders
+from moe import ModelConfig, Transformer
+from moe.mla_config import MLAConfig
+from moe.moe_config import MoEConfig, RouterConfig
+from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
+from moe_platform.config import load_run_config
+from moe_platform.testing import moe_train, read_metrics
+
+# DeepSeek-V3's routing: sigmoid scores plus the balancing bias choose top-2 inside the best 2 of 4 groups of 2
+# experts; the gates are renormalised, then scaled by 2.5; one shared expert; the first layer dense.
+V3_MOE = MoEConfig(
+    num_experts=8, top_k=2, expert_d_ff=16, num_shared_experts=1, first_dense_layers=1,
+    router=RouterConfig(score_fn="sigmoid", bias_update_rate=1e-3, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+)  # fmt: skip
+BASE = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=32, moe=V3_MOE)
+MODELS = {
+    "mla": dataclasses.replace(
+        BASE, attention="mla",
+        mla=MLAConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+    ),
+    "alibi": dataclasses.replace(BASE, n_kv_heads=2, pos_encoding="alibi"),
+}  # fmt: skip
+# Row 0: documents [0, 5) [5, 12) [12, 16); row 1: [0, 9) [9, 16).
+DOCUMENTS_BT = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
+SPANS = [(0, 0, 5), (0, 5, 12), (0, 12, 16), (1, 0, 9), (1, 9, 16)]  # (row, start, end)
+
+
+def tiny_model(name: str) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(MODELS[name]).double().eval()
+    with torch.no_grad():  # a bias that changes choices, as after some balancing
+        for block in model.blocks[1:]:
+            block.ffn.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8, dtype=torch.float64))
+    return model
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_token_never_sees_another_document(name: str) -> None:
+    """Changing one packed document leaves every other document's logits bit for bit, and the gradient of a
+    document's logits on the other documents' embeddings is exactly zero."""
+    model = tiny_model(name)
+    ids_BT = torch.randint(0, 50, DOCUMENTS_BT.shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids_BT, document_ids_BT=DOCUMENTS_BT).logits
+    for row, start, end in SPANS:
+        changed_BT = ids_BT.clone()
+        changed_BT[row, start:end] = (changed_BT[row, start:end] + 1) % 50
+        with torch.no_grad():
+            changed = model(changed_BT, document_ids_BT=DOCUMENTS_BT).logits
+        outside_BT = torch.ones_like(ids_BT, dtype=torch.bool)
+        outside_BT[row, start:end] = False
+        assert torch.equal(changed[outside_BT], logits[outside_BT]), f"document [{start}, {end}) of row {row} leaked"
+        assert not torch.equal(changed[row, start:end], logits[row, start:end])
+
+    embedded = {}
+
+    def keep_embeddings(module, inputs, output_BTD):
+        output_BTD.retain_grad()
+        embedded["x_BTD"] = output_BTD
+
+    handle = model.embed.register_forward_hook(keep_embeddings)
+    try:
+        for row, start, end in SPANS:
+            model.zero_grad(set_to_none=True)
+            model(ids_BT, document_ids_BT=DOCUMENTS_BT).logits[row, start:end].square().sum().backward()
+            grad_BTD = embedded["x_BTD"].grad
+            outside_BT = torch.ones_like(ids_BT, dtype=torch.bool)
+            outside_BT[row, start:end] = False
+            assert (grad_BTD[outside_BT] == 0).all(), f"document [{start}, {end}) of row {row} reads another"
+            assert (grad_BTD[row, start:end].abs().sum(dim=-1) > 0).all()
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_left_padded_row_equals_its_unpadded_sequence_and_leaves_the_other_rows(name: str) -> None:
+    """Padding keys are never attended and padding tokens never routed. Both position schemes depend on distances
+    only (MLA's decoupled RoPE branch, ALiBi's bias), so the shifted real tokens give the unpadded logits."""
+    model = tiny_model(name)
+    ids_BT = torch.randint(1, 50, (3, 16), generator=torch.Generator().manual_seed(2))
+    mask_BT = torch.ones_like(ids_BT)
+    mask_BT[1, :6] = 0
+    padded_BT = ids_BT.clone()
+    padded_BT[1, :6] = 0
+    with torch.no_grad():
+        batched = model(padded_BT, attention_mask_BT=mask_BT).logits
+        alone = model(ids_BT[1:2, 6:]).logits
+        unpadded_rows = model(ids_BT[[0, 2]]).logits
+    torch.testing.assert_close(batched[1:2, 6:], alone, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(batched[[0, 2]], unpadded_rows, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_compiled_block_traces_and_computes_the_eager_logits_and_gradients(name: str) -> None:
+    """`trainer.compile` compiles block by block (model_build.py). TorchDynamo must trace an MLA block and an ALiBi
+    block with group-limited routing (graph breaks allowed); the "eager" backend runs the captured graphs as they are,
+    so logits and gradients equal the uncompiled block's. Inductor's code generation is left to
+    test_training_options (minutes on CPU)."""
+    ids_BT = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
+    results = []
+    for compiled in (False, True):
+        model = tiny_model(name).float().train()
+        if compiled:
+            model.blocks[1].compile(backend="eager")
+        logits = model(ids_BT).logits
+        logits.square().mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch._dynamo.reset()
+    (eager_logits, eager_grads), (compiled_logits, compiled_grads) = results
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-6, atol=1e-7)
+    for param, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[param], grad, rtol=1e-5, atol=1e-7, msg=param)
+
+
+def test_the_nan_guard_names_the_mla_sub_module_where_a_nan_first_appears(tmp_path: Path) -> None:
+    """deepseek_v3_like_tiny with a NaN injected into layer 1's KV latent norm: the run halts at that step naming
+    `blocks.1.attn.kv_norm` (its sub-modules are hooked like any other), not the attention or a later module."""
+    every_step = ["trainer.save_every=1", "trainer.max_steps=3"]
+    fault = {"MOE_FAULTS": "nan@blocks.1.attn.kv_norm:step=2"}
+    result = moe_train(tmp_path, "model=deepseek_v3_like_tiny", *every_step, env=fault, check=False)
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert (
+        "non-finite loss at step 2: it first appears in the output of blocks.1.attn.kv_norm (rank 0, micro-batch 0)"
+    ) in result.stderr
+
+
+def test_a_dense_mla_run_upcycles_into_deepseek_v3_like_tiny_at_its_loss(tmp_path: Path) -> None:
+    """init.upcycle from a dense deepseek_v3_like_tiny (model.moe=null) checkpoint: every MLA weight is carried over
+    and the experts of width d_ff/2 beside one shared expert are the exact case (upcycle.py), with the routed share
+    divided by routed_scaling_factor=2.5, so step 1's loss (taken before its update) is the dense model's."""
+    dense = tmp_path / "dense"
+    moe_train(dense, "model=deepseek_v3_like_tiny", "model.moe=null", "trainer.max_steps=1", "trainer.save_final=true")
+    checkpoint = latest_checkpoint(dense)
+    config = load_run_config(checkpoint / "config.yaml")
+    model = Transformer(config.model)
+    model.load_state_dict(export_fp32_state_dict(checkpoint), strict=True)
+    micro = config.trainer.micro_batch_size
+    batches = iter(build_loaders(config.data, 0, 1, micro).train)
+    with torch.no_grad():
+        losses = []
+        for _ in range(config.data.global_batch_size // micro):
+            batch = next(batches)
+            losses.append(F.cross_entropy(model(batch["input_ids"]).logits.flatten(0, 1), batch["labels"].flatten()))
+
+    upcycled = tmp_path / "upcycled"
+    upcycle = [f"init.from_path={dense}", "init.upcycle=true", "model.moe.expert_d_ff=64", "trainer.max_steps=1"]
+    moe_train(upcycled, "model=deepseek_v3_like_tiny", *upcycle)
+    train, _ = read_metrics(upcycled)
+    assert train[1]["loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-6)
