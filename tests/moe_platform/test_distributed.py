@@ -145,15 +145,8 @@ def test_resume_on_a_different_world_size_continues_the_same_samples(tmp_path: P
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
 
 
-def test_zero_checkpoint_resumes_exactly_on_the_same_world_size(tmp_path: Path) -> None:
-    straight = tmp_path / "straight"
-    moe_train(straight, "distributed=zero2", nproc=2)
-    sliced = tmp_path / "sliced"
-    moe_train(sliced, "distributed=zero2", "trainer.stop_at=3", nproc=2)
-    moe_train(sliced, "distributed=zero2", "resume=auto", nproc=2)
-    a, _ = read_metrics(straight)
-    b, _ = read_metrics(sliced)
-    assert [a[s]["loss"] for s in STEPS] == [b[s]["loss"] for s in STEPS]
+# A ZeRO-2 run stopped and resumed on the same world size: test_deepseek_v3_training.py (bit-identical losses, the
+# router's balancing bias restored), on the richest model the platform trains.
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
