@@ -1,6 +1,6 @@
-"""ALiBi (Press et al.): slopes as in the paper, scores that depend on distance only, a direct-formula reference,
-and the invariants every position encoding keeps (causality, padding, KV-cache prefix equivalence). Hugging Face
-has no ALiBi decoder in this family, so the reference is the formula itself."""
+"""ALiBi (Press et al.): slopes as in the paper, scores that depend on distance only, a direct-formula reference.
+Hugging Face has no ALiBi decoder in this family, so the reference is the formula itself. The invariants every
+position encoding keeps (causality, padding, KV-cache prefix equivalence) are in test_attention_variants.py."""
 
 import math
 
@@ -96,50 +96,6 @@ def test_the_model_has_no_position_parameters() -> None:
     assert model.config.num_params() == sum(p.numel() for p in model.parameters())
     names = {name for name, _ in model.named_parameters()}
     assert not any("pos" in name for name in names)
-
-
-@pytest.mark.parametrize("n_kv_heads", [6, 3, 1])
-@pytest.mark.parametrize("chunks", [[1] * 10, [4, 1, 3, 2], [10]])
-def test_prefix_cache_decode_equals_full_recomputation(n_kv_heads, chunks) -> None:
-    model = alibi_model(n_kv_heads=n_kv_heads)
-    ids = torch.randint(0, VOCAB, (2, sum(chunks)))
-    full = model(ids).logits
-    cache = model.new_kv_cache(batch_size=2)
-    start, pieces = 0, []
-    for size in chunks:
-        pieces.append(model(ids[:, start : start + size], kv_cache=cache).logits)
-        start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **TOL)
-
-
-def test_changing_a_future_token_never_changes_earlier_logits() -> None:
-    model = alibi_model()
-    ids = torch.randint(0, VOCAB, (2, 9))
-    before = model(ids).logits
-    for future in range(1, 9):
-        changed = ids.clone()
-        changed[:, future] = (changed[:, future] + 1) % VOCAB
-        after = model(changed).logits
-        torch.testing.assert_close(after[:, :future], before[:, :future], **TOL)
-        assert not torch.allclose(after[:, future], before[:, future])
-
-
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_padding_changes_no_other_row_and_no_real_position(side) -> None:
-    model = alibi_model()
-    T, real = 9, 5
-    ids = torch.randint(0, VOCAB, (3, T))
-    alone = [model(ids[i : i + 1]).logits for i in range(3)]
-    mask = torch.ones(3, T, dtype=torch.long)
-    padded_ids = ids.clone()
-    span = slice(real, T) if side == "right" else slice(0, T - real)
-    mask[1, span], padded_ids[1, span] = 0, 7
-    batched = model(padded_ids, attention_mask_BT=mask).logits
-    torch.testing.assert_close(batched[0:1], alone[0], **TOL)
-    torch.testing.assert_close(batched[2:3], alone[2], **TOL)
-    # Under ALiBi only distances matter, so even a left-padded row equals its unpadded sequence.
-    real_rows = batched[1:2, mask[1].bool()]
-    torch.testing.assert_close(real_rows, model(padded_ids[1:2, mask[1].bool()]).logits, **TOL)
 
 
 def test_a_key_the_mask_forbids_stays_forbidden_under_the_bias() -> None:

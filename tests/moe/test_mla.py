@@ -1,5 +1,6 @@
-"""Multi-head latent attention (seed 001, MLA): a direct per-head reference, the latent cache (prefix equivalence,
-bytes), absorbed == unabsorbed decode, parameter counts, and the causal and padding invariants of every attention."""
+"""Multi-head latent attention (seed 001, MLA): a direct per-head reference, the latent cache's bytes, absorbed ==
+unabsorbed decode, generation, parameter counts. The causal, padding and prefix-cache invariants every attention
+keeps are in test_attention_variants.py, with MLA's cases among them."""
 
 import math
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from moe import ModelConfig, Transformer
-from moe.kv_cache import LatentKVCache
 from moe.moe_config import MoEConfig
 from moe.rope import apply_rope, rope_tables
 
@@ -74,22 +74,6 @@ def test_module_equals_the_head_by_head_reference(q_lora_rank, attention_bias) -
     torch.testing.assert_close(attn(x, cos_sin, None), reference_mla(attn, x), **TOL)
 
 
-@pytest.mark.parametrize("absorb", [False, True])
-@pytest.mark.parametrize("chunks", [[1] * 10, [4, 1, 3, 2], [10], [6, 4]])
-def test_prefix_cache_decode_equals_full_recomputation(absorb, chunks) -> None:
-    model = mla_model()
-    set_absorb(model, absorb)
-    ids = torch.randint(0, VOCAB, (2, sum(chunks)))
-    full = model(ids).logits
-    cache = model.new_kv_cache(batch_size=2)
-    assert isinstance(cache, LatentKVCache)
-    start, pieces = 0, []
-    for size in chunks:
-        pieces.append(model(ids[:, start : start + size], kv_cache=cache).logits)
-        start += size
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **TOL)
-
-
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, TOL), (torch.float32, dict(atol=1e-5, rtol=1e-5))])
 def test_absorbed_and_unabsorbed_decode_give_the_same_logits(dtype, tol) -> None:
     model = mla_model(moe=MoEConfig(num_experts=4, top_k=2, expert_d_ff=16)).to(dtype)
@@ -132,37 +116,6 @@ def test_cache_overflow_is_a_clear_error() -> None:
     model(torch.randint(0, VOCAB, (1, 3)), kv_cache=cache)
     with pytest.raises(ValueError, match="KV cache holds 4 positions"):
         model(torch.randint(0, VOCAB, (1, 2)), kv_cache=cache)
-
-
-def test_changing_a_future_token_never_changes_earlier_logits() -> None:
-    model = mla_model()
-    ids = torch.randint(0, VOCAB, (2, 9))
-    before = model(ids).logits
-    for future in range(1, 9):
-        changed = ids.clone()
-        changed[:, future] = (changed[:, future] + 1) % VOCAB
-        after = model(changed).logits
-        torch.testing.assert_close(after[:, :future], before[:, :future], **TOL)
-        assert not torch.allclose(after[:, future], before[:, future])
-
-
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_padding_changes_no_other_row_and_no_real_position(side) -> None:
-    model = mla_model(moe=MoEConfig(num_experts=4, top_k=2, expert_d_ff=16))
-    T, real = 9, 5
-    ids = torch.randint(0, VOCAB, (3, T))
-    alone = [model(ids[i : i + 1]).logits for i in range(3)]
-    mask = torch.ones(3, T, dtype=torch.long)
-    padded_ids = ids.clone()
-    span = slice(real, T) if side == "right" else slice(0, T - real)
-    mask[1, span], padded_ids[1, span] = 0, 7
-    batched = model(padded_ids, attention_mask_BT=mask).logits
-    torch.testing.assert_close(batched[0:1], alone[0], **TOL)
-    torch.testing.assert_close(batched[2:3], alone[2], **TOL)
-    kept = padded_ids[1:2, mask[1].bool()]
-    if side == "right":  # the real prefix keeps its positions, so it equals the unpadded sequence
-        torch.testing.assert_close(batched[1:2, :real], model(kept).logits, **TOL)
-    assert torch.isfinite(batched).all()
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 8])
