@@ -6,16 +6,19 @@ import pytest
 import torch
 
 from moe import ModelConfig, Transformer
-from moe.moe_config import MoEConfig
+from moe.moe_config import MoEConfig, RouterConfig
 
 TOL = dict(atol=1e-10, rtol=1e-8)
 VOCAB = 40
 MLA_SHAPE = dict(q_lora_rank=24, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
 MOE = MoEConfig(num_experts=4, top_k=2, expert_d_ff=16, first_dense_layers=1)
+# DeepSeek-V3's routing: sigmoid, top-2 within the best 2 of 4 groups, routed scaling, a shared expert.
+V3_ROUTER = RouterConfig(score_fn="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+V3_MOE = MoEConfig(num_experts=8, top_k=2, expert_d_ff=16, num_shared_experts=1, router=V3_ROUTER)
 
 VARIANTS = {
     "gqa_rope": dict(n_kv_heads=2),
-    "mla_absorbed_decode": dict(attention="mla", mla=dict(MLA_SHAPE, absorb_decode=True), moe=MOE),
+    "mla_absorbed_decode": dict(attention="mla", mla=dict(MLA_SHAPE, absorb_decode=True), moe=V3_MOE),
     "mla_unabsorbed_decode": dict(attention="mla", mla=dict(MLA_SHAPE, absorb_decode=False)),
     "mla_full_rank_query": dict(attention="mla", mla=dict(MLA_SHAPE, q_lora_rank=None)),
     "alibi_mha": dict(pos_encoding="alibi", n_heads=6, head_dim=4, moe=MOE),

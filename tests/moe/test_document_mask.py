@@ -6,27 +6,42 @@ import pytest
 import torch
 
 from moe import ModelConfig, Transformer, build_attention_mask
-from moe.moe_config import MoEConfig
+from moe.moe_config import MoEConfig, RouterConfig
 
 # Row 0: documents [0, 5) [5, 12) [12, 16); row 1: [0, 9) [9, 16).
 DOCUMENTS_BT = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
 SPANS = [(0, 0, 5), (0, 5, 12), (0, 12, 16), (1, 0, 9), (1, 9, 16)]  # (row, start, end)
 
 
-def tiny_model(pos_encoding: str, moe: bool) -> Transformer:
-    fields = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=32)
-    if moe:
+def tiny_model(pos_encoding: str, moe: bool, attention: str = "gqa") -> Transformer:
+    """GQA models route by softmax; the MLA model routes as DeepSeek-V3 (sigmoid, top-2 within the best 2 of 4
+    groups, routed scaling, a shared expert)."""
+    fields = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=48, max_seq_len=32, attention=attention)
+    if attention == "gqa":
+        fields["n_kv_heads"] = 2
+    if moe and attention == "mla":
+        router = RouterConfig(score_fn="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+        fields["moe"] = MoEConfig(num_experts=8, top_k=2, expert_d_ff=16, num_shared_experts=1, router=router)
+    elif moe:
         fields["moe"] = MoEConfig(num_experts=4, top_k=2, expert_d_ff=24)
     torch.manual_seed(0)
     return Transformer(ModelConfig(pos_encoding=pos_encoding, **fields)).double().eval()
 
 
-MODELS = [("rope", False), ("rope", True), ("learned", False)]
+MODELS = [
+    ("rope", False, "gqa"),
+    ("rope", True, "gqa"),
+    ("learned", False, "gqa"),
+    ("alibi", True, "gqa"),
+    ("rope", True, "mla"),
+]
 
 
-@pytest.mark.parametrize(("pos_encoding", "moe"), MODELS)
-def test_changing_one_document_leaves_every_other_documents_logits_bit_for_bit(pos_encoding: str, moe: bool) -> None:
-    model = tiny_model(pos_encoding, moe)
+@pytest.mark.parametrize(("pos_encoding", "moe", "attention"), MODELS)
+def test_changing_one_document_leaves_every_other_documents_logits_bit_for_bit(
+    pos_encoding: str, moe: bool, attention: str
+) -> None:
+    model = tiny_model(pos_encoding, moe, attention)
     ids_BT = torch.randint(0, 50, DOCUMENTS_BT.shape, generator=torch.Generator().manual_seed(1))
     logits = model(ids_BT, document_ids_BT=DOCUMENTS_BT).logits
     for row, start, end in SPANS:
@@ -43,9 +58,11 @@ def test_changing_one_document_leaves_every_other_documents_logits_bit_for_bit(p
         assert torch.equal(model(last_BT, document_ids_BT=DOCUMENTS_BT).logits[row, : end - 1], logits[row, : end - 1])
 
 
-@pytest.mark.parametrize(("pos_encoding", "moe"), MODELS)
-def test_a_documents_loss_has_zero_gradient_on_other_documents_embeddings(pos_encoding: str, moe: bool) -> None:
-    model = tiny_model(pos_encoding, moe)
+@pytest.mark.parametrize(("pos_encoding", "moe", "attention"), MODELS)
+def test_a_documents_loss_has_zero_gradient_on_other_documents_embeddings(
+    pos_encoding: str, moe: bool, attention: str
+) -> None:
+    model = tiny_model(pos_encoding, moe, attention)
     ids_BT = torch.randint(0, 50, DOCUMENTS_BT.shape, generator=torch.Generator().manual_seed(2))
     embedded = {}
 
@@ -68,9 +85,9 @@ def test_a_documents_loss_has_zero_gradient_on_other_documents_embeddings(pos_en
         handle.remove()
 
 
-@pytest.mark.parametrize(("pos_encoding", "moe"), MODELS)
-def test_one_document_per_window_is_plain_causal_attention(pos_encoding: str, moe: bool) -> None:
-    model = tiny_model(pos_encoding, moe)
+@pytest.mark.parametrize(("pos_encoding", "moe", "attention"), MODELS)
+def test_one_document_per_window_is_plain_causal_attention(pos_encoding: str, moe: bool, attention: str) -> None:
+    model = tiny_model(pos_encoding, moe, attention)
     ids_BT = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(3))
     one_document_BT = torch.zeros_like(ids_BT)
     masked = model(ids_BT, document_ids_BT=one_document_BT).logits

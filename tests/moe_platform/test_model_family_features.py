@@ -1,10 +1,9 @@
-"""The training features that predate MLA, ALiBi and DeepSeek-V3's routing, each with them: document masks, padding,
-torch.compile of a block, and the NaN guard naming an MLA sub-module. `init.upcycle` from a dense MLA run.
-(Activation checkpointing, expert parallelism and upcycling's exactness are checked with these models in
-tests/moe/test_checkpointing.py, tests/moe/test_expert_parallel.py and tests/moe_platform/test_upcycle.py; ZeRO-2
-training and resume in test_deepseek_v3_training.py.)
-
-Models are dropless (capacity_factor=None): a capacity limit couples tokens through the experts, not the attention."""
+"""The training features that predate MLA, ALiBi and DeepSeek-V3's routing, each with them: torch.compile of a block,
+the NaN guard naming an MLA sub-module, and `init.upcycle` from a dense MLA run. (Document masks and padding are
+checked with these models in tests/moe/test_document_mask.py and test_attention_variants.py; activation
+checkpointing, expert parallelism and upcycling's exactness in tests/moe/test_checkpointing.py,
+tests/moe/test_expert_parallel.py and tests/moe_platform/test_upcycle.py; ZeRO-2 training and resume in
+test_deepseek_v3_training.py.)"""
 
 import dataclasses
 from pathlib import Path
@@ -47,62 +46,6 @@ def tiny_model(name: str) -> Transformer:
         for block in model.blocks[1:]:
             block.ffn.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8, dtype=torch.float64))
     return model
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_a_token_never_sees_another_document(name: str) -> None:
-    """Changing one packed document leaves every other document's logits bit for bit, and the gradient of a
-    document's logits on the other documents' embeddings is exactly zero."""
-    model = tiny_model(name)
-    ids_BT = torch.randint(0, 50, DOCUMENTS_BT.shape, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(ids_BT, document_ids_BT=DOCUMENTS_BT).logits
-    for row, start, end in SPANS:
-        changed_BT = ids_BT.clone()
-        changed_BT[row, start:end] = (changed_BT[row, start:end] + 1) % 50
-        with torch.no_grad():
-            changed = model(changed_BT, document_ids_BT=DOCUMENTS_BT).logits
-        outside_BT = torch.ones_like(ids_BT, dtype=torch.bool)
-        outside_BT[row, start:end] = False
-        assert torch.equal(changed[outside_BT], logits[outside_BT]), f"document [{start}, {end}) of row {row} leaked"
-        assert not torch.equal(changed[row, start:end], logits[row, start:end])
-
-    embedded = {}
-
-    def keep_embeddings(module, inputs, output_BTD):
-        output_BTD.retain_grad()
-        embedded["x_BTD"] = output_BTD
-
-    handle = model.embed.register_forward_hook(keep_embeddings)
-    try:
-        for row, start, end in SPANS:
-            model.zero_grad(set_to_none=True)
-            model(ids_BT, document_ids_BT=DOCUMENTS_BT).logits[row, start:end].square().sum().backward()
-            grad_BTD = embedded["x_BTD"].grad
-            outside_BT = torch.ones_like(ids_BT, dtype=torch.bool)
-            outside_BT[row, start:end] = False
-            assert (grad_BTD[outside_BT] == 0).all(), f"document [{start}, {end}) of row {row} reads another"
-            assert (grad_BTD[row, start:end].abs().sum(dim=-1) > 0).all()
-    finally:
-        handle.remove()
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_a_left_padded_row_equals_its_unpadded_sequence_and_leaves_the_other_rows(name: str) -> None:
-    """Padding keys are never attended and padding tokens never routed. Both position schemes depend on distances
-    only (MLA's decoupled RoPE branch, ALiBi's bias), so the shifted real tokens give the unpadded logits."""
-    model = tiny_model(name)
-    ids_BT = torch.randint(1, 50, (3, 16), generator=torch.Generator().manual_seed(2))
-    mask_BT = torch.ones_like(ids_BT)
-    mask_BT[1, :6] = 0
-    padded_BT = ids_BT.clone()
-    padded_BT[1, :6] = 0
-    with torch.no_grad():
-        batched = model(padded_BT, attention_mask_BT=mask_BT).logits
-        alone = model(ids_BT[1:2, 6:]).logits
-        unpadded_rows = model(ids_BT[[0, 2]]).logits
-    torch.testing.assert_close(batched[1:2, 6:], alone, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(batched[[0, 2]], unpadded_rows, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", MODELS)
