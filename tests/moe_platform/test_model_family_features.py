@@ -34,9 +34,6 @@ MODELS = {
     ),
     "alibi": dataclasses.replace(BASE, n_kv_heads=2, pos_encoding="alibi"),
 }  # fmt: skip
-# Row 0: documents [0, 5) [5, 12) [12, 16); row 1: [0, 9) [9, 16).
-DOCUMENTS_BT = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7])
-SPANS = [(0, 0, 5), (0, 5, 12), (0, 12, 16), (1, 0, 9), (1, 9, 16)]  # (row, start, end)
 
 
 def tiny_model(name: str) -> Transformer:
