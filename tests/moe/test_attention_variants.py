@@ -1,6 +1,7 @@
 """The invariants every attention variant keeps (seed 001): a token never sees the future, padding changes no other
 row and no real position, and cached decode in any chunking equals recomputing the whole prefix. Each case is one
-attention × position encoding; tests/moe/test_attention.py and test_kv_cache.py hold the GQA-specific ones."""
+attention × position encoding; tests/moe/test_attention.py and test_kv_cache.py hold the GQA-specific ones (learned
+positions' padding cases among them: a left-padded row moves, so only distance-only encodings equal it here)."""
 
 import pytest
 import torch
@@ -16,14 +17,21 @@ MOE = MoEConfig(num_experts=4, top_k=2, expert_d_ff=16, first_dense_layers=1)
 V3_ROUTER = RouterConfig(score_fn="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
 V3_MOE = MoEConfig(num_experts=8, top_k=2, expert_d_ff=16, num_shared_experts=1, router=V3_ROUTER)
 
-VARIANTS = {
+# Scores that depend on the key-query distance only: RoPE (MLA's decoupled branch included) and ALiBi.
+DISTANCE_ONLY = {
     "gqa_rope": dict(n_kv_heads=2),
+    "mha_rope": dict(n_kv_heads=4),
+    "mqa_rope_layernorm_gelu": dict(n_kv_heads=1, norm="layernorm", activation="gelu"),
     "mla_absorbed_decode": dict(attention="mla", mla=dict(MLA_SHAPE, absorb_decode=True), moe=V3_MOE),
     "mla_unabsorbed_decode": dict(attention="mla", mla=dict(MLA_SHAPE, absorb_decode=False)),
     "mla_full_rank_query": dict(attention="mla", mla=dict(MLA_SHAPE, q_lora_rank=None)),
     "alibi_mha": dict(pos_encoding="alibi", n_heads=6, head_dim=4, moe=MOE),
     "alibi_gqa": dict(pos_encoding="alibi", n_heads=6, n_kv_heads=3, head_dim=4),
     "alibi_mqa": dict(pos_encoding="alibi", n_heads=6, n_kv_heads=1, head_dim=4),
+}
+VARIANTS = {
+    **DISTANCE_ONLY,
+    "gqa_learned_biases": dict(n_kv_heads=2, pos_encoding="learned", attention_bias=True, ffn_bias=True),
 }
 
 
@@ -61,7 +69,7 @@ def test_changing_a_future_token_never_changes_earlier_logits(variant) -> None:
         assert not torch.allclose(after[:, future], before[:, future])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", DISTANCE_ONLY)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_changes_no_other_row_and_no_real_position(variant, side) -> None:
     """Rows 0 and 2 equal their unpadded selves; row 1's real tokens equal the unpadded sequence too, on either
