@@ -495,7 +495,9 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     if config.attention == "mla":
         attention_note = "MLA: query path, W_DKV + W_KR, latent norm, W_UK + W_UV, W_O"
         projection_note = "query path, W_DKV + W_KR, W_UK + W_UV on every token, W_O"
-        attention_flops_note = "2 · S · H · (n + r) + 2 · S · H · v, full S×S grid (mask saves none)"
+        attention_flops_note = (
+            "2 · S · H · (n + r) + 2 · S · H · max(v, n + r) (narrower values are padded), full S×S grid"
+        )
     else:
         attention_note = f"Q, K, V, O over all layers ({config.n_heads} query, {config.n_kv_heads} KV heads)"
         projection_note = "Q, K, V, O"

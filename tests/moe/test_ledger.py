@@ -195,7 +195,7 @@ def test_format_ledger_prints_the_mla_latent_cache_beside_its_mha_equivalent() -
     latent, mha = kv_cache_bytes(config, 2, 16, 2), mha_kv_cache_bytes(config, 2, 16, 2)
     assert "attention=mla" in text and "B · L · S · (d_c + d_r) · s" in text and "H_kv" not in text
     assert f"MHA equivalent  {_human(mha, 'B')}" in text and f"{mha / latent:.1f}×" in text
-    assert "2 · S · H · (n + r) + 2 · S · H · v" in text
+    assert "2 · S · H · (n + r) + 2 · S · H · max(v, n + r)" in text
 
 
 # ---------------------------------------------------------------------------------------------------------------
