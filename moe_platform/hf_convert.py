@@ -185,15 +185,12 @@ def hf_config(config: ModelConfig, **token_ids) -> object:
 
     arch = hf_architecture(config)
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **token_ids}
-    if arch == DEEPSEEK_V3:
-        return _deepseek_v3_config(config, ids)
     common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.d_model,
         num_hidden_layers=config.n_layers,
         num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_kv_heads,
-        head_dim=config.head_dim,
+        num_key_value_heads=config.n_kv_heads,  # = n_heads under MLA, whose keys are per head already
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=config.norm_eps,
         hidden_act="silu",
@@ -203,6 +200,9 @@ def hf_config(config: ModelConfig, **token_ids) -> object:
         **_rope(config),
         **ids,
     )
+    if arch == DEEPSEEK_V3:  # MLA's head widths are its own fields, not head_dim
+        return _deepseek_v3_config(config, common)
+    common["head_dim"] = config.head_dim
     if arch == LLAMA:
         return transformers.LlamaConfig(
             intermediate_size=config.d_ff, attention_bias=config.attention_bias, mlp_bias=config.ffn_bias, **common
@@ -233,7 +233,7 @@ def hf_config(config: ModelConfig, **token_ids) -> object:
     )
 
 
-def _deepseek_v3_config(config: ModelConfig, ids: dict) -> object:
+def _deepseek_v3_config(config: ModelConfig, common: dict) -> object:
     import transformers
 
     mla, moe = config.mla, config.moe
@@ -262,12 +262,7 @@ def _deepseek_v3_config(config: ModelConfig, ids: dict) -> object:
             routed_scaling_factor=float(moe.router.routed_scaling_factor),
         )
     return transformers.DeepseekV3Config(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
         intermediate_size=config.d_ff,
-        num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_heads,  # MLA's keys are per head already: no grouping
         q_lora_rank=mla.q_lora_rank,
         kv_lora_rank=mla.kv_lora_rank,
         qk_nope_head_dim=mla.qk_nope_head_dim,
@@ -275,16 +270,9 @@ def _deepseek_v3_config(config: ModelConfig, ids: dict) -> object:
         v_head_dim=mla.v_head_dim,
         rope_interleave=True,
         attention_bias=config.attention_bias,
-        max_position_embeddings=config.max_seq_len,
-        rms_norm_eps=config.norm_eps,
-        hidden_act="silu",
-        tie_word_embeddings=config.tie_embeddings,
-        initializer_range=config.init_std,
         num_mtp_layers=0,
-        architectures=[DEEPSEEK_V3],
         **routing,
-        **_rope(config),
-        **ids,
+        **common,
     )
 
 
@@ -317,12 +305,13 @@ def to_hf(config: ModelConfig, state_dict: dict[str, torch.Tensor], **token_ids)
     sd = state_dict
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["final_norm.weight"]}
     out["lm_head.weight"] = sd["embed.weight"] if config.tie_embeddings else sd["lm_head.weight"]
+    for i in range(config.n_layers):  # the norms outside attention: every architecture names them alike
+        out[f"model.layers.{i}.input_layernorm.weight"] = sd[f"blocks.{i}.attn_norm.weight"]
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = sd[f"blocks.{i}.ffn_norm.weight"]
     if arch == DEEPSEEK_V3:
         return hf, {**out, **_deepseek_v3_layers_to_hf(config, sd)}
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        out[f"{theirs}.input_layernorm.weight"] = sd[f"{ours}.attn_norm.weight"]
-        out[f"{theirs}.post_attention_layernorm.weight"] = sd[f"{ours}.ffn_norm.weight"]
         for our_name, hf_name in _ATTN.items():
             out[f"{theirs}.self_attn.{hf_name}.weight"] = sd[f"{ours}.attn.{our_name}.weight"]
             if config.attention_bias and (arch == LLAMA or our_name != "w_o"):
@@ -408,8 +397,6 @@ def _deepseek_v3_layers_to_hf(config: ModelConfig, sd: dict[str, torch.Tensor]) 
     out = {}
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        out[f"{theirs}.input_layernorm.weight"] = sd[f"{ours}.attn_norm.weight"]
-        out[f"{theirs}.post_attention_layernorm.weight"] = sd[f"{ours}.ffn_norm.weight"]
         for our_name, hf_name, has_rope_rows in _mla_names(config):
             tensor = sd[f"{ours}.attn.{our_name}"]
             if has_rope_rows:
@@ -477,6 +464,37 @@ def _note_ignored_mtp(hf: object, names: list[str]) -> None:
         )
 
 
+def _shared_model_fields(hf: object, rope: dict) -> dict:
+    """The ModelConfig fields every importable architecture maps alike: RoPE, RMSNorm and SwiGLU (checked)."""
+    return dict(
+        vocab_size=hf.vocab_size,
+        d_model=hf.hidden_size,
+        n_layers=hf.num_hidden_layers,
+        n_heads=hf.num_attention_heads,
+        max_seq_len=hf.max_position_embeddings,
+        pos_encoding="rope",
+        rope_theta=float(rope["rope_theta"]),
+        norm="rmsnorm",
+        norm_eps=hf.rms_norm_eps,
+        activation="swiglu",
+        tie_embeddings=bool(hf.tie_word_embeddings),
+        init_std=hf.initializer_range,
+    )
+
+
+def _embeddings_and_norms_from_hf(config: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our embedding, output head and every norm outside attention, which all architectures name alike (a tied
+    model's head is its embedding, whether or not the HF state dict lists it)."""
+    out = {"embed.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
+    out["lm_head.weight"] = (
+        out["embed.weight"] if config.tie_embeddings else sd.get("lm_head.weight", out["embed.weight"])
+    )
+    for i in range(config.n_layers):
+        out[f"blocks.{i}.attn_norm.weight"] = sd[f"model.layers.{i}.input_layernorm.weight"]
+        out[f"blocks.{i}.ffn_norm.weight"] = sd[f"model.layers.{i}.post_attention_layernorm.weight"]
+    return out
+
+
 def from_hf(
     hf: object | str | Path, hf_state_dict: dict[str, torch.Tensor] | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -491,13 +509,15 @@ def from_hf(
         f"model_type={model_type!r} is not one of the importable architectures llama, qwen2, mixtral, qwen2_moe, "
         "deepseek_v3",
     )
-    if model_type == "deepseek_v3":
-        return _deepseek_v3_from_hf(hf, hf_state_dict)
     _refuse_if(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r} is not SwiGLU's silu")
     rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
     _refuse_if(
-        rope.get("rope_type", "default") != "default", f"rope scaling {rope.get('rope_type')!r} is not plain RoPE"
+        rope.get("rope_type", "default") != "default",
+        f"rope_parameters rope_type={rope.get('rope_type')!r} (scaled RoPE; YaRN also rescales the softmax) is not "
+        "the plain RoPE moe.Transformer computes",
     )
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_from_hf(hf, hf_state_dict, rope)
     _refuse_if(
         bool(getattr(hf, "use_sliding_window", False)) or (model_type == "mixtral" and hf.sliding_window is not None),
         "sliding-window attention has no equivalent in moe.Transformer's full causal attention",
@@ -549,35 +569,19 @@ def from_hf(
             router=RouterConfig(renormalize_topk=bool(hf.norm_topk_prob)),
         )
     config = ModelConfig(
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
-        n_heads=hf.num_attention_heads,
+        **_shared_model_fields(hf, rope),
         n_kv_heads=hf.num_key_value_heads,
         head_dim=head_dim,
         d_ff=d_ff,
-        max_seq_len=hf.max_position_embeddings,
-        pos_encoding="rope",
-        rope_theta=float(rope["rope_theta"]),
-        norm="rmsnorm",
-        norm_eps=hf.rms_norm_eps,
-        activation="swiglu",
         attention_bias=llama_bias or qkv_bias,
         ffn_bias=bool(getattr(hf, "mlp_bias", False)),
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        init_std=hf.initializer_range,
         moe=moe,
     )
 
     sd = hf_state_dict
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
-    if config.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
+    out = _embeddings_and_norms_from_hf(config, sd)
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        out[f"{ours}.attn_norm.weight"] = sd[f"{theirs}.input_layernorm.weight"]
-        out[f"{ours}.ffn_norm.weight"] = sd[f"{theirs}.post_attention_layernorm.weight"]
         for our_name, hf_name in _ATTN.items():
             weight = sd[f"{theirs}.self_attn.{hf_name}.weight"]
             out[f"{ours}.attn.{our_name}.weight"] = weight
@@ -606,15 +610,10 @@ def from_hf(
     return config, out
 
 
-def _deepseek_v3_from_hf(hf: object, sd: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The DeepSeek-V3 half of `from_hf` (module docstring: decisions)."""
-    _refuse_if(hf.hidden_act != "silu", f"hidden_act={hf.hidden_act!r} is not SwiGLU's silu")
-    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
-    _refuse_if(
-        rope.get("rope_type", "default") != "default",
-        f"rope_parameters rope_type={rope.get('rope_type')!r} (scaled RoPE, which also rescales the softmax) is not "
-        "the plain RoPE moe.Transformer computes",
-    )
+def _deepseek_v3_from_hf(
+    hf: object, sd: dict[str, torch.Tensor], rope: dict
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The DeepSeek-V3 half of `from_hf` (module docstring: decisions); activation and RoPE already checked."""
     _refuse_if(
         hf.num_key_value_heads != hf.num_attention_heads,
         f"num_key_value_heads={hf.num_key_value_heads} differs from num_attention_heads={hf.num_attention_heads}, "
@@ -651,10 +650,7 @@ def _deepseek_v3_from_hf(hf: object, sd: dict[str, torch.Tensor]) -> tuple[Model
         )
     heads = hf.num_attention_heads
     config = ModelConfig(
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        n_layers=L,
-        n_heads=heads,
+        **_shared_model_fields(hf, rope),
         head_dim=None if hf.hidden_size % heads == 0 else hf.v_head_dim,  # MLA's shapes are all in `mla`
         attention="mla",
         mla=MLAConfig(
@@ -665,26 +661,15 @@ def _deepseek_v3_from_hf(hf: object, sd: dict[str, torch.Tensor]) -> tuple[Model
             v_head_dim=hf.v_head_dim,
         ),
         d_ff=hf.intermediate_size,
-        max_seq_len=hf.max_position_embeddings,
-        pos_encoding="rope",
-        rope_theta=float(rope["rope_theta"]),
-        norm="rmsnorm",
-        norm_eps=hf.rms_norm_eps,
-        activation="swiglu",
         attention_bias=bool(hf.attention_bias),
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        init_std=hf.initializer_range,
         moe=moe,
     )
     _note_ignored_mtp(hf, list(sd))
 
-    out = {"embed.weight": sd["model.embed_tokens.weight"], "final_norm.weight": sd["model.norm.weight"]}
-    out["lm_head.weight"] = out["embed.weight"] if config.tie_embeddings else sd["lm_head.weight"]
+    out = _embeddings_and_norms_from_hf(config, sd)
     interleaved = hf.rope_interleave is not False  # transformers' default is True
     for i in range(L):
         ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        out[f"{ours}.attn_norm.weight"] = sd[f"{theirs}.input_layernorm.weight"]
-        out[f"{ours}.ffn_norm.weight"] = sd[f"{theirs}.post_attention_layernorm.weight"]
         for our_name, hf_name, has_rope_rows in _mla_names(config):
             tensor = sd[f"{theirs}.self_attn.{hf_name}"]
             if has_rope_rows and interleaved:
