@@ -2,7 +2,8 @@
 * `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
 * `start_moe_train`, `wait_for_logged_step`, `worker_pids` act on a run while it trains (signals, preemption);
 * `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1;
-* `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them."""
+* `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them;
+* `first_batch_loss` / `lm_loss_on_the_first_batch`: the loss a run's step 1 should log, computed outside it."""
 
 import importlib.util
 import inspect
@@ -298,3 +299,35 @@ def finished_wandb_files(run_dir: Path, expected: int, timeout: float = 30.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"wandb's offline files under {run_dir} are not complete after {timeout} s: {problem}")
         time.sleep(0.1)
+
+
+def lm_loss_on_the_first_batch(logits_of: Callable, config) -> float:
+    """Mean LM loss of `logits_of(input_ids)` over the first global batch that a fresh single-process run with
+    `config` (a TrainConfig) trains on: what its step 1 logs, taken before its update."""
+    import torch
+    import torch.nn.functional as F
+
+    from data_pipeline import build_loaders
+
+    micro = config.trainer.micro_batch_size
+    batches = iter(build_loaders(config.data, 0, 1, micro, model_vocab_size=config.model.vocab_size).train)
+    with torch.no_grad():
+        losses = []
+        for _ in range(config.data.global_batch_size // micro):
+            batch = next(batches)
+            logits = logits_of(batch["input_ids"])
+            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
+    return float(torch.stack(losses).mean())
+
+
+def first_batch_loss(run_dir: Path) -> float:
+    """The LM loss of a run's newest saved model on the first global batch a fresh run with its config trains on."""
+    from moe import Transformer
+    from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
+    from moe_platform.config import load_run_config
+
+    checkpoint = latest_checkpoint(run_dir)
+    config = load_run_config(checkpoint / "config.yaml")
+    model = Transformer(config.model)
+    model.load_state_dict(export_fp32_state_dict(checkpoint), strict=True)
+    return lm_loss_on_the_first_batch(lambda input_ids: model(input_ids).logits, config)

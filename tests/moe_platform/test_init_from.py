@@ -6,15 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from data_pipeline import build_loaders
 from moe import ModelConfig, Transformer
 from moe.moe_config import MoEConfig
 from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
 from moe_platform.config import ConfigError, InitConfig, TrainConfig, load_run_config
 from moe_platform.init_from import initial_state_dict
-from moe_platform.testing import BIN, FAST, moe_train, read_metrics, subprocess_env
+from moe_platform.testing import (
+    BIN,
+    FAST,
+    first_batch_loss,
+    lm_loss_on_the_first_batch,
+    moe_train,
+    read_metrics,
+    subprocess_env,
+)
 
 # moe_tiny with experts as wide as dense_tiny's FFN: the exact upcycling case (upcycle.py), dropless by default.
 UPCYCLE = ["model=moe_tiny", "model.moe.expert_d_ff=256", "init.upcycle=true"]
@@ -30,23 +36,6 @@ def dense_run(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def source_loss(dense_run) -> float:
     return first_batch_loss(dense_run)
-
-
-def first_batch_loss(run_dir: Path) -> float:
-    """The run's saved model's LM loss on the first global batch a fresh run with its data config trains on."""
-    checkpoint = latest_checkpoint(run_dir)
-    config = load_run_config(checkpoint / "config.yaml")
-    model = Transformer(config.model)
-    model.load_state_dict(export_fp32_state_dict(checkpoint), strict=True)
-    micro = config.trainer.micro_batch_size
-    batches = iter(build_loaders(config.data, 0, 1, micro, model_vocab_size=config.model.vocab_size).train)
-    with torch.no_grad():
-        losses = []
-        for _ in range(config.data.global_batch_size // micro):
-            batch = next(batches)
-            logits = model(batch["input_ids"]).logits
-            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
-    return float(torch.stack(losses).mean())
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -203,12 +192,5 @@ def test_a_hugging_face_deepseek_v3_dir_is_adopted_and_starts_at_its_loss(tmp_pa
     assert (config.model.attention, config.model.mla.kv_lora_rank) == ("mla", 16)
     assert config.model.mla.absorb_decode is False
     assert config.model.moe.router.n_group == 4 and config.model.moe.router.bias_update_rate > 0
-    micro = config.trainer.micro_batch_size
-    batches = iter(build_loaders(config.data, 0, 1, micro, model_vocab_size=config.model.vocab_size).train)
-    with torch.no_grad():
-        losses = []
-        for _ in range(config.data.global_batch_size // micro):
-            batch = next(batches)
-            logits = theirs(batch["input_ids"]).logits
-            losses.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()))
-    assert _losses(tmp_path / "run")[0] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+    hf_loss = lm_loss_on_the_first_batch(lambda input_ids: theirs(input_ids).logits, config)
+    assert _losses(tmp_path / "run")[0] == pytest.approx(hf_loss, rel=1e-5)
