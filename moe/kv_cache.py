@@ -8,7 +8,29 @@ writing repeated K/V here.
 import torch
 
 
-class KVCache:
+class _PrefixCache:
+    """What every cache shares: `max_len` preallocated positions, of which the first `length` are filled."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.length = 0  # positions already written, i.e. the absolute position of the next token
+
+    def _end_of_step(self, n_positions: int) -> int:
+        """Where a step of `n_positions` written after the cached prefix ends; refuses one that does not fit."""
+        end = self.length + n_positions
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache holds {self.max_len} positions but this step needs {end}: "
+                "allocate a longer cache or generate fewer tokens"
+            )
+        return end
+
+    def advance(self, n_positions: int) -> None:
+        """Called once per forward, after every layer has written its step."""
+        self.length += n_positions
+
+
+class KVCache(_PrefixCache):
     """Preallocated K and V for every layer, shape (L, B, H_kv, S_max, d_h); `length` positions are filled."""
 
     def __init__(
@@ -21,11 +43,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
+        super().__init__(max_len)
         shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
         self.k_LBKSd = torch.zeros(shape, dtype=dtype, device=device)
         self.v_LBKSd = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0  # positions already written, i.e. the absolute position of the next token
 
     @property
     def num_bytes(self) -> int:
@@ -33,22 +54,13 @@ class KVCache:
 
     def update(self, layer: int, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's K/V for `layer` after the cached prefix; return views of prefix + step."""
-        end = self.length + k_BKTd.shape[2]
-        if end > self.max_len:
-            raise ValueError(
-                f"KV cache holds {self.max_len} positions but this step needs {end}: "
-                "allocate a longer cache or generate fewer tokens"
-            )
+        end = self._end_of_step(k_BKTd.shape[2])
         self.k_LBKSd[layer, :, :, self.length : end] = k_BKTd
         self.v_LBKSd[layer, :, :, self.length : end] = v_BKTd
         return self.k_LBKSd[layer, :, :, :end], self.v_LBKSd[layer, :, :, :end]
 
-    def advance(self, n_positions: int) -> None:
-        """Called once per forward, after every layer has written its K/V for the step."""
-        self.length += n_positions
 
-
-class LatentKVCache:
+class LatentKVCache(_PrefixCache):
     """Multi-head latent attention's cache (moe/mla.py): per layer only the content latent c (d_c) and the shared
     position key k_r (d_r) of each position, shapes (L, B, S_max, d_c) and (L, B, S_max, d_r):
 
@@ -65,10 +77,9 @@ class LatentKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
+        super().__init__(max_len)
         self.latent_LBSC = torch.zeros((n_layers, batch_size, max_len, latent_dim), dtype=dtype, device=device)
         self.k_rope_LBSr = torch.zeros((n_layers, batch_size, max_len, rope_dim), dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0  # positions already written, i.e. the absolute position of the next token
 
     @property
     def num_bytes(self) -> int:
@@ -78,16 +89,7 @@ class LatentKVCache:
         self, layer: int, latent_BTC: torch.Tensor, k_rope_BTr: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's latents for `layer` after the cached prefix; return views of prefix + step."""
-        end = self.length + latent_BTC.shape[1]
-        if end > self.max_len:
-            raise ValueError(
-                f"KV cache holds {self.max_len} positions but this step needs {end}: "
-                "allocate a longer cache or generate fewer tokens"
-            )
+        end = self._end_of_step(latent_BTC.shape[1])
         self.latent_LBSC[layer, :, self.length : end] = latent_BTC
         self.k_rope_LBSr[layer, :, self.length : end] = k_rope_BTr
         return self.latent_LBSC[layer, :, :end], self.k_rope_LBSr[layer, :, :end]
-
-    def advance(self, n_positions: int) -> None:
-        """Called once per forward, after every layer has written its latents for the step."""
-        self.length += n_positions
