@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import yaml
 
 from moe import ModelConfig, MoEConfig, Transformer, count_parameters
 from moe.model import Block
 from moe.moe_config import RouterConfig
-
-transformers = pytest.importorskip("transformers")
 
 PRESET = Path(__file__).parents[2] / "conf" / "model" / "deepseek_v3_like.yaml"
 PUBLISHED_TOTAL, PUBLISHED_ACTIVE = 671e9, 37e9  # the paper's rounded figures

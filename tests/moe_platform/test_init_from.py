@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from moe import ModelConfig, Transformer
 from moe.moe_config import MoEConfig
@@ -126,7 +127,6 @@ def test_a_contradicting_model_override_is_refused_naming_the_key(dense_run):
 
 
 def test_a_hugging_face_dir_loads_exactly_and_upcycles(dense_run, tmp_path):
-    transformers = pytest.importorskip("transformers")
     from moe_platform.hf_convert import to_hf
 
     saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
@@ -170,7 +170,6 @@ def test_a_hugging_face_deepseek_v3_dir_is_adopted_and_starts_at_its_loss(tmp_pa
     """No `model=...`: the run takes MLA, sigmoid group-limited routing and the selection bias from the HF dir's
     config, loads its weights exactly, and its first loss is transformers' own loss on that batch. An override of
     the source's own MLA settings (absorb_decode, a free field) applies on top of the adopted model."""
-    transformers = pytest.importorskip("transformers")
 
     hf_config = transformers.DeepseekV3Config(
         vocab_size=258, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
