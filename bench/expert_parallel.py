@@ -4,10 +4,11 @@ Legend: N tokens per rank, D model width, F expert hidden width, E experts, K ex
 per rank, C capacity (assignments one expert accepts), b bytes per element.
 
 Measured in one run of two spawned processes on 127.0.0.1, on the same per-rank inputs:
-  1. Bytes our EP layer (`MoELayer` sharded by `moe_platform.expert_parallel.shard_model`) sends to the OTHER rank
-     per step, counted at the collectives themselves: `torch.distributed.all_to_all_single` (the per-expert counts
-     exchange) and `moe.expert_parallel.all_to_all_single_autograd` (the token exchanges), from their split sizes.
-     The ideal moves each off-rank kept assignment's hidden vector once each way (dispatch + combine):
+  1. Bytes our EP layer (`MoELayer` sharded by `moe_platform.parallel.expert_parallel.shard_model`) sends to the
+     OTHER rank per step, counted at the collectives themselves: `torch.distributed.all_to_all_single` (the
+     per-expert counts exchange) and `moe.expert_parallel.all_to_all_single_autograd` (the token exchanges), from
+     their split sizes. The ideal moves each off-rank kept assignment's hidden vector once each way
+     (dispatch + combine):
      2·(off-rank kept assignments)·D·b per forward; the goal is measured / ideal = 1.00. The backward sends the
      gradients of both exchanges back the same way (the same bytes again); it is counted separately.
   2. The same count for DeepSpeed's native MoE (`deepspeed.moe.layer.MoE`, ep_size=2, same D, E, K, tokens,
@@ -191,7 +192,8 @@ def all_reduce_mean(grads: list[torch.Tensor]) -> None:
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    from moe_platform.expert_parallel import build_groups, reduce_expert_gradients, shard_model
+    from moe_platform.parallel.expert_parallel import reduce_expert_gradients, shard_model
+    from moe_platform.parallel.groups import build_expert_groups
 
     torch.set_num_threads(1)
     D, F, E, K, N = args.d_model, args.d_ff, args.experts, args.top_k, args.tokens
@@ -205,7 +207,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     whole = MoELayer(D, config, "gelu").train()  # EP=1: every expert on every rank
     sharded = copy.deepcopy(whole)  # EP=2: the same weights, this rank's block of experts kept
-    groups = build_groups(EP)
+    groups = build_expert_groups(EP)
     shard_model(sharded, groups)
     ep_rank = groups.expert_parallel.rank
     generator = torch.Generator().manual_seed(1000 + rank)

@@ -3,7 +3,7 @@
     tokens/s          = timed steps · B · S / wall time (after warm-up steps, CUDA synchronised)
     model FLOP/s      = the ledger's training matmul FLOPs per token (3 × forward, attention over the full S×S
                         grid as the ledger counts it) · tokens/s
-    MFU               = model FLOP/s / the card's dense bf16 datasheet peak (moe_platform/throughput.py's table)
+    MFU               = model FLOP/s / the card's dense bf16 datasheet peak (moe_platform/monitor/throughput.py's table)
     peak memory       = torch.cuda.max_memory_allocated over one steady step (CPU: the allocator's records),
                         beside the ledger's training state + activations of one micro-batch
 
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing it
 
 from moe import ModelConfig, MoEConfig, Transformer, count_parameters, matmul_flops_per_token
-from moe_platform.peak_memory import measure_peak, predict_peak, storage_bytes, training_tensors
-from moe_platform.throughput import device_peak_flops
+from moe_platform.monitor.peak_memory import measure_peak, predict_peak, storage_bytes, training_tensors
+from moe_platform.monitor.throughput import device_peak_flops
 
 
 def moe_1b(tiny: bool) -> ModelConfig:

@@ -84,7 +84,7 @@ def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
 def launch(mode: str, program: list[str]) -> list[str]:
     if MODES[mode] == 1:
         return program
-    from moe_platform.distributed import free_port
+    from moe_platform.parallel.accelerator import free_port
 
     return [
         str(BIN / "torchrun"), f"--nproc_per_node={MODES[mode]}", "--master_addr=127.0.0.1",
@@ -156,11 +156,11 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
 
     from data_pipeline import build_loaders
     from moe.moe_layer import update_balancing_biases
-    from moe_platform import trainer
-    from moe_platform.cli import CONF_DIR, register_configs
     from moe_platform.config import to_train_config, validate_launch, world_size_from_env
-    from moe_platform.distributed import deepspeed_config
-    from moe_platform.model_build import build_model
+    from moe_platform.launch.cli import CONF_DIR, register_configs
+    from moe_platform.parallel.accelerator import deepspeed_config
+    from moe_platform.train import trainer
+    from moe_platform.train.model_build import build_model
 
     mode = args.bare
     register_configs()
@@ -266,8 +266,8 @@ def main() -> None:
         parser.error("--warmup and --steps must be multiples of --log-every (the trainer stamps its log steps)")
     if args.bare:
         bare_loop(args)
-        # As moe-train leaves (cli.py): Python's teardown can abort while gloo's threads still run (measured here:
-        # "terminate called without an active exception" after the results were written).
+        # As moe-train leaves (moe_platform/launch/cli.py): Python's teardown can abort while gloo's threads still run
+        # (measured here: "terminate called without an active exception" after the results were written).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

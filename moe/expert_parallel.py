@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moe.experts import GroupedExperts
@@ -91,3 +92,8 @@ class _Reorder(torch.autograd.Function):
 def is_expert_parameter(name: str) -> bool:
     """Parameters that EP shards (experts.w_gate / w_up / w_down of an MoE layer); the router is replicated."""
     return ".experts." in f".{name}"
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every routed expert weight in `model`, in registration order."""
+    return [(name, p) for name, p in model.named_parameters() if is_expert_parameter(name)]

@@ -66,8 +66,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(d_model, config.num_experts, config.top_k, config.router, init_std)
         # The data-parallel ranks whose load aux_loss_scope="global" pools (None: all ranks).
         self.balance_group: dist.ProcessGroup | None = None
-        # Set by expert parallelism (moe_platform.expert_parallel.shard_experts): `experts` then holds only this
-        # rank's block, and tokens travel to their expert.
+        # Set by expert parallelism (moe_platform.parallel.expert_parallel.shard_experts): `experts` then holds only
+        # this rank's block, and tokens travel to their expert.
         self.expert_parallel: ExpertParallel | None = None
         use_grouped_mm = {"auto": None, "grouped_mm": True, "loop": False}[config.experts_impl]
         self.experts = GroupedExperts(

@@ -102,10 +102,10 @@ class DistributedConfig:
     offload_optimizer: bool = False  # deepspeed stage >= 1: optimizer state in host memory
     offload_params: bool = False  # deepspeed stage 3: parameters in host memory
     backend: Optional[str] = None  # None: nccl with GPUs, gloo on CPU
-    # How long a collective waits for a dead or hung rank before failing; the survivors then name it (liveness.py)
+    # How long a collective waits for a dead or hung rank before failing; the survivors then name it (train/liveness.py)
     timeout_s: int = 600
-    check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see memory.py)
-    # EP: each group of this many consecutive ranks splits every MoE layer's experts (expert_parallel.py)
+    check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see launch/memory.py)
+    # EP: each group of this many consecutive ranks splits every MoE layer's experts (parallel/expert_parallel.py)
     expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -159,13 +159,13 @@ class LoggingConfig:
     wandb_group: Optional[str] = None
     wandb_tags: list[str] = field(default_factory=list)
     wandb_name: Optional[str] = None  # None: the run directory's name
-    # Routing alerts (alerts.py): a layer's MaxVio or drop fraction above its threshold, or an expert with no
+    # Routing alerts (monitor/alerts.py): a layer's MaxVio or drop fraction above its threshold, or an expert with no
     # tokens, for this many consecutive logs prints one warning and writes one alert record.
     alert_maxvio: float = 1.0
     alert_drop_frac: float = 0.2
     alert_consecutive_logs: int = 3
     # Measure one training step's peak memory (a run's second) and print it beside the ledger's prediction at the
-    # end (moe_platform/peak_memory.py); on CPU that step runs under torch.profiler, several times slower.
+    # end (moe_platform/monitor/peak_memory.py); on CPU that step runs under torch.profiler, several times slower.
     peak_memory: bool = True
 
     def __post_init__(self) -> None:
@@ -196,7 +196,7 @@ class LoggingConfig:
 @dataclass
 class PreemptionConfig:
     """What a preemption or time-limit signal does: checkpoint at the next step boundary, then (under Slurm)
-    requeue the job, which resumes from that checkpoint. See preemption.py."""
+    requeue the job, which resumes from that checkpoint. See train/preemption.py."""
 
     enabled: bool = True
     # SIGUSR1: Slurm's warning before the time limit; SIGTERM: preempted or cancelled; SIGINT: Ctrl-C on a local run
@@ -227,7 +227,7 @@ class TrainerConfig:
     keep_last: int = 2  # besides these, pruning keeps the checkpoint a run resumed from
     save_retries: int = 3  # a transient I/O error while saving (EIO, ESTALE, …) is retried this many times
     save_final: bool = True
-    # A NaN/Inf loss or gradient (nan_guard.py): "halt" stops the run at once (a NaN usually means bad data,
+    # A NaN/Inf loss or gradient (train/nan_guard.py): "halt" stops the run at once (a NaN usually means bad data,
     # divergence or a faulty device, which skipping would hide); "skip" drops the step, and halts at the
     # nan_max_consecutive-th such step in a row.
     on_nan: str = "halt"
@@ -272,11 +272,12 @@ class TrainerConfig:
 
 @dataclass
 class InitConfig:
-    """Where a fresh run's weights come from (model_build.py, init_from.py); a resumed run takes its checkpoint's.
+    """Where a fresh run's weights come from (train/model_build.py, interop/init_from.py); a resumed run takes its
+    checkpoint's.
 
     from_path: null (random init), one of our checkpoint dirs (checkpoints/step_XXXXXXXX, or a run dir: its latest
     complete one), a `moe-export` .pt file, or a Hugging Face model dir. Its model config must agree with
-    `model.*`; with upcycle=true the source is dense and only the FFN may differ (see upcycle.py).
+    `model.*`; with upcycle=true the source is dense and only the FFN may differ (see interop/upcycle.py).
     """
 
     from_path: Optional[str] = None
@@ -326,7 +327,7 @@ class TrainConfig:
             not (self.distributed.strategy == "deepspeed" and self.distributed.zero_stage == 0)
             or self.trainer.precision == "bf16",
             "distributed.zero_stage=0 with trainer.precision=fp32 steps DeepSpeed's plain optimizer without checking "
-            "the gradients, so a NaN would reach the weights (nan_guard.py): use distributed=zero1 or ddp",
+            "the gradients, so a NaN would reach the weights (train/nan_guard.py): use distributed=zero1 or ddp",
         )
         _require(
             not self.init.upcycle or self.model.moe is not None,

@@ -11,8 +11,8 @@ starts a real run with MOE_FAULTS set and checks what survives. MOE_FAULTS is a 
     nan@blocks.1.attn:step=4        the output of module `blocks.1.attn` is NaN in step 4 (only that step)
 
 Points the runtime passes: `forward`, `backward`, `step_end` (trainer: inside step N, after its optimizer step),
-and `checkpoint_write`, `checkpoint_rename`, `checkpoint_pointer` (checkpoint.py: before this rank writes its
-files, before the directory is renamed complete, between that rename and the `latest` pointer). `step` is the
+and `checkpoint_write`, `checkpoint_rename`, `checkpoint_pointer` (checkpoint/checkpointer.py: before this rank writes
+its files, before the directory is renamed complete, between that rename and the `latest` pointer). `step` is the
 optimizer step being run (1-based) or the step of the checkpoint being written. `rank` is the launcher's RANK.
 """
 

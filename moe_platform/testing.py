@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moe_platform.distributed import free_port
+from moe_platform.parallel.accelerator import free_port
 
 BIN = Path(sys.executable).parent
 # Seconds-long runs: tiny MoE on a small synthetic corpus, every step logged, no eval unless asked.
@@ -138,7 +138,7 @@ def assert_stopped_once_and_resumes_exactly(run_dir: Path, reference: Path, *ove
     """The interrupted run holds one complete checkpoint at the step it stopped; after resume=auto (with `overrides`,
     those of both runs) every step is in metrics.jsonl exactly once and the losses equal the uninterrupted
     `reference` run's, bit for bit. Returns the step it stopped at."""
-    from moe_platform.preemption import REQUEST_FILE
+    from moe_platform.train.preemption import REQUEST_FILE
 
     steps = max(metric_steps(reference))
     stopped_at = max(metric_steps(run_dir))
@@ -165,7 +165,7 @@ def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[s
     return [
         str(BIN / "accelerate"), "launch", "--multi_gpu", f"--num_processes={nproc}", "--num_machines=1",
         "--mixed_precision=no", "--dynamo_backend=no", "--main_process_ip=127.0.0.1",
-        f"--main_process_port={free_port()}", "-m", "moe_platform.cli", *args,
+        f"--main_process_port={free_port()}", "-m", "moe_platform.launch.cli", *args,
     ]  # fmt: skip
 
 
@@ -175,7 +175,7 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     train, evals = {}, {}
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "alert" in record:  # routing alerts (alerts.py) are records of their own
+        if "alert" in record:  # routing alerts (monitor/alerts.py) are records of their own
             continue
         (evals if "eval/loss" in record else train)[record["step"]] = record
     return train, evals
@@ -323,7 +323,8 @@ def lm_loss_on_the_first_batch(logits_of: Callable, config) -> float:
 def first_batch_loss(run_dir: Path) -> float:
     """The LM loss of a run's newest saved model on the first global batch a fresh run with its config trains on."""
     from moe import Transformer
-    from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
+    from moe_platform.checkpoint.catalog import latest_checkpoint
+    from moe_platform.checkpoint.consolidate import export_fp32_state_dict
     from moe_platform.config import load_run_config
 
     checkpoint = latest_checkpoint(run_dir)

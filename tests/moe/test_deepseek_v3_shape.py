@@ -32,8 +32,8 @@ def preset_config() -> ModelConfig:
 
 
 def hf_config(config: ModelConfig) -> object:
-    """DeepSeek-V3's config.json fields, written out here from our config (not through moe_platform.hf_convert, so
-    the mapping is checked, not reused); num_mtp_layers=0: the main model only."""
+    """DeepSeek-V3's config.json fields, written out here from our config (not through moe_platform.interop's
+    conversion, so the mapping is checked, not reused); num_mtp_layers=0: the main model only."""
     mla, moe = config.mla, config.moe
     return transformers.DeepseekV3Config(
         vocab_size=config.vocab_size,

@@ -56,10 +56,11 @@ def ep_forward_backward_cases(rank: int, world_size: int, cases: list[tuple]) ->
 def ep_forward_backward(rank: int, world_size: int, ep_size: int, capacity_factor, skew: str, routing="softmax"):
     import torch.distributed as dist
 
-    from moe_platform.expert_parallel import build_groups, reduce_expert_gradients, shard_model
+    from moe_platform.parallel.expert_parallel import reduce_expert_gradients, shard_model
+    from moe_platform.parallel.groups import build_expert_groups
 
     layer = build_layer(capacity_factor, skew, routing)
-    groups = build_groups(ep_size)
+    groups = build_expert_groups(ep_size)
     shard_model(layer, groups)
     x, grad_out = rank_input(rank, skew)
     x.requires_grad_(True)

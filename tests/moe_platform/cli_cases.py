@@ -4,7 +4,7 @@
 
 CASES.json is a list of {"id", "argv", "env", "cwd", "run_dir", "timeout"}. Each child (two at a time) changes to
 `cwd`, adds `env`, sets sys.argv to `moe-train <argv>`, sends its stdout and stderr to files and calls
-`moe_platform.cli.main()`, just as the console script does. RESULTS.json maps each id to its exit code, stdout,
+`moe_platform.launch.cli.main()`, just as the console script does. RESULTS.json maps each id to its exit code, stdout,
 stderr, whether `run_dir` exists afterwards, and whether a process group was started: in each child
 `torch.distributed.init_process_group` is a tripwire that notes the call and exits with PROCESS_GROUP_STARTED, so
 reaching it cannot go unnoticed, hang on a port where nothing listens, or pass for a bad-input exit.
@@ -80,7 +80,7 @@ def _child(case: dict, stdout: Path, stderr: Path, tripwire: Path) -> None:
         dist.init_process_group = started
         dist.distributed_c10d.init_process_group = started
         sys.argv = [str(Path(sys.executable).parent / "moe-train"), *case["argv"]]
-        from moe_platform import cli
+        from moe_platform.launch import cli
 
         try:
             cli.main()
@@ -106,9 +106,9 @@ def main() -> None:
     import datasets.packaged_modules.json.json  # noqa: F401
     import transformers  # noqa: F401
 
-    import moe_platform.distributed
-    import moe_platform.trainer  # noqa: F401
-    from moe_platform import cli
+    import moe_platform.parallel.accelerator
+    import moe_platform.train.trainer  # noqa: F401
+    from moe_platform.launch import cli
 
     _compose_once(cli)
     results = run_cases(cases, out_dir, parallel=min(2, os.cpu_count() or 1))

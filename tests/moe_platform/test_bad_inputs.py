@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moe_platform.distributed import free_port
+from moe_platform.parallel.accelerator import free_port
 from moe_platform.testing import BIN, subprocess_env
 
 HARNESS = Path(__file__).with_name("cli_cases.py")
@@ -578,6 +578,6 @@ def test_the_harness_answers_as_a_real_start_does(case_id: str, results: dict, t
 )
 def test_only_a_plain_run_is_composed_before_hydra(argv: list[str], composed_first: bool) -> None:
     """Help, --cfg, sweeps and other configs are Hydra's to answer, exactly as before."""
-    from moe_platform.cli import _plain_run_overrides
+    from moe_platform.launch.cli import _plain_run_overrides
 
     assert (_plain_run_overrides(argv) is not None) == composed_first

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint, step_dirname, step_of
+from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname, step_of
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.testing import (
     finish,
     metric_steps,

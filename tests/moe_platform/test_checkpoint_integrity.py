@@ -12,14 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_platform import manifest
-from moe_platform.checkpoint import (
-    CheckpointError,
-    export_fp32_state_dict,
-    latest_checkpoint,
-    step_dirname,
-    verify_checkpoint,
-)
+from moe_platform.checkpoint import manifest
+from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict, verify_checkpoint
+from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.testing import metric_steps, moe_train, read_metrics
 
 STEPS = 6

@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 
 from data_pipeline import DataError, build_loaders
 from moe import Transformer
-from moe_platform.cli import CONF_DIR, register_configs
 from moe_platform.config import (
     ConfigError,
     OptimConfig,
@@ -21,7 +20,8 @@ from moe_platform.config import (
     to_train_config,
     validate_launch,
 )
-from moe_platform.distributed import deepspeed_config
+from moe_platform.launch.cli import CONF_DIR, register_configs
+from moe_platform.parallel.accelerator import deepspeed_config
 
 register_configs()
 GROUPS = ("model", "data", "optim", "distributed", "logging", "experiment")

@@ -13,7 +13,7 @@ from PIL import Image
 
 from moe.stats import MoEStats, summarize
 from moe_platform.config import LoggingConfig
-from moe_platform.dashboards import (
+from moe_platform.monitor.dashboards import (
     ACROSS_LAYER_METRICS,
     ACROSS_LAYER_STATS,
     ALERTS_KEY,
@@ -24,7 +24,7 @@ from moe_platform.dashboards import (
     scalar_metrics,
     utilisation_LE,
 )
-from moe_platform.metrics import MetricSinks, moe_record, wandb_run_id
+from moe_platform.monitor.metrics import MetricSinks, moe_record, wandb_run_id
 from moe_platform.testing import finished_wandb_files
 
 RUN_SCALARS = {"loss": 3.2, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 1234.0}

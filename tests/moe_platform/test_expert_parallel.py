@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_platform.checkpoint import latest_checkpoint
-from moe_platform.export import load_exported_model
+from moe_platform.checkpoint.catalog import latest_checkpoint
+from moe_platform.interop.export import load_exported_model
 from moe_platform.testing import moe_train, read_metrics
 
 pytestmark = pytest.mark.slow

@@ -18,10 +18,10 @@ from moe.mla_config import MLAConfig
 from moe.moe_config import RouterConfig
 from moe.router import group_limited_topk
 from moe_platform.config import InitConfig, TrainConfig
-from moe_platform.export import load_exported_model
-from moe_platform.export import main as moe_export
-from moe_platform.hf_convert import DEEPSEEK_V3, ConversionError, from_hf, hf_architecture, to_hf
-from moe_platform.init_from import initial_state_dict
+from moe_platform.interop.export import load_exported_model
+from moe_platform.interop.export import main as moe_export
+from moe_platform.interop.hf_convert import DEEPSEEK_V3, ConversionError, from_hf, hf_architecture, to_hf
+from moe_platform.interop.init_from import initial_state_dict
 from moe_platform.testing import moe_train
 
 VOCAB, TOL = 96, 1e-5

@@ -10,9 +10,10 @@ import transformers
 
 from moe import ModelConfig, Transformer
 from moe.moe_config import MoEConfig
-from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
+from moe_platform.checkpoint.catalog import latest_checkpoint
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.config import ConfigError, InitConfig, TrainConfig, load_run_config
-from moe_platform.init_from import initial_state_dict
+from moe_platform.interop.init_from import initial_state_dict
 from moe_platform.testing import (
     BIN,
     FAST,
@@ -23,7 +24,7 @@ from moe_platform.testing import (
     subprocess_env,
 )
 
-# moe_tiny with experts as wide as dense_tiny's FFN: the exact upcycling case (upcycle.py), dropless by default.
+# moe_tiny with experts as wide as dense_tiny's FFN: the exact upcycling case (interop/upcycle.py), dropless by default.
 UPCYCLE = ["model=moe_tiny", "model.moe.expert_d_ff=256", "init.upcycle=true"]
 
 
@@ -127,7 +128,7 @@ def test_a_contradicting_model_override_is_refused_naming_the_key(dense_run):
 
 
 def test_a_hugging_face_dir_loads_exactly_and_upcycles(dense_run, tmp_path):
-    from moe_platform.hf_convert import to_hf
+    from moe_platform.interop.hf_convert import to_hf
 
     saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
     state = export_fp32_state_dict(latest_checkpoint(dense_run))

@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 
 from moe import ModelConfig
 from moe.ledger import training_state_bytes
-from moe_platform.cli import CONF_DIR
 from moe_platform.config import ConfigError, DistributedConfig, TrainConfig, TrainerConfig
-from moe_platform.memory import Memory, check_training_state_fits
+from moe_platform.launch.cli import CONF_DIR
+from moe_platform.launch.memory import Memory, check_training_state_fits
 from moe_platform.testing import BIN, subprocess_env
 
 GB = 1e9

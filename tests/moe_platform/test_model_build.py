@@ -15,12 +15,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from moe import Transformer
-from moe_platform.cli import CONF_DIR, register_configs
 from moe_platform.config import TrainConfig, to_train_config, validate_launch
-from moe_platform.model_build import build_model, full_shape
-from moe_platform.seeding import seed_initial_weights
+from moe_platform.launch.cli import CONF_DIR, register_configs
 from moe_platform.testing import FAST, run_distributed
-from moe_platform.trainer import optimizer_param_groups
+from moe_platform.train.model_build import build_model, full_shape
+from moe_platform.train.seeding import seed_initial_weights
+from moe_platform.train.trainer import optimizer_param_groups
 
 pytestmark = pytest.mark.slow
 register_configs()
@@ -69,7 +69,7 @@ def build_every_case_on_this_rank(
     the weights gathered from all ranks; other strategies: the weights, and whether any parameter is partitioned."""
     import deepspeed
 
-    from moe_platform.distributed import build_accelerator
+    from moe_platform.parallel.accelerator import build_accelerator
 
     # The variables torchrun would have set; the gloo group itself is run_distributed's.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1")

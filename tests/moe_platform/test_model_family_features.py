@@ -43,9 +43,9 @@ def tiny_model(name: str) -> Transformer:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_a_compiled_block_traces_and_computes_the_eager_logits_and_gradients(name: str) -> None:
-    """`trainer.compile` compiles block by block (model_build.py). TorchDynamo must trace an MLA block and an ALiBi
-    block with group-limited routing (graph breaks allowed); the "eager" backend runs the captured graphs as they are,
-    so logits and gradients equal the uncompiled block's. Inductor's code generation is left to
+    """`trainer.compile` compiles block by block (train/model_build.py). TorchDynamo must trace an MLA block and an
+    ALiBi block with group-limited routing (graph breaks allowed); the "eager" backend runs the captured graphs as they
+    are, so logits and gradients equal the uncompiled block's. Inductor's code generation is left to
     test_training_options (minutes on CPU)."""
     ids_BT = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(3))
     results = []
@@ -77,8 +77,8 @@ def test_the_nan_guard_names_the_mla_sub_module_where_a_nan_first_appears(tmp_pa
 
 def test_a_dense_mla_run_upcycles_into_deepseek_v3_like_tiny_at_its_loss(tmp_path: Path) -> None:
     """init.upcycle from a dense deepseek_v3_like_tiny (model.moe=null) checkpoint: every MLA weight is carried over
-    and the experts of width d_ff/2 beside one shared expert are the exact case (upcycle.py), with the routed share
-    divided by routed_scaling_factor=2.5, so step 1's loss (taken before its update) is the dense model's."""
+    and the experts of width d_ff/2 beside one shared expert are the exact case (interop/upcycle.py), with the routed
+    share divided by routed_scaling_factor=2.5, so step 1's loss (taken before its update) is the dense model's."""
     dense = tmp_path / "dense"
     moe_train(dense, "model=deepseek_v3_like_tiny", "model.moe=null", "trainer.max_steps=1", "trainer.save_final=true")
 

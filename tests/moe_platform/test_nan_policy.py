@@ -1,5 +1,5 @@
-"""trainer.on_nan (nan_guard.py): a NaN injected into one module's output (faults.py) never reaches the weights or a
-checkpoint. `skip` withholds the step's update on every rank and trains on; `halt` stops with exit code 4 and a
+"""trainer.on_nan (train/nan_guard.py): a NaN injected into one module's output (faults.py) never reaches the weights or
+a checkpoint. `skip` withholds the step's update on every rank and trains on; `halt` stops with exit code 4 and a
 message naming the step, the module, its rank and the last good checkpoint, which stays the latest."""
 
 import re
@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_pipeline import build_loaders
-from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint, step_dirname
+from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.config import ConfigError, TrainerConfig
-from moe_platform.export import load_checkpoint_config, load_exported_model
-from moe_platform.nan_guard import NanGuard, poison_nonfinite
+from moe_platform.interop.export import load_checkpoint_config, load_exported_model
 from moe_platform.testing import moe_train, read_metrics, run_distributed
+from moe_platform.train.nan_guard import NanGuard, poison_nonfinite
 
 ATTN_NAN_AT_3 = "nan@blocks.1.attn:step=3"
 

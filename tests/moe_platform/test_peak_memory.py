@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from moe import ModelConfig, MoEConfig, Transformer
 from moe.mla_config import MLAConfig
-from moe_platform.peak_memory import (
+from moe_platform.monitor.peak_memory import (
     PeakMemoryProbe,
     PeakPrediction,
     measure_peak,

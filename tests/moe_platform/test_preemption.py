@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from moe_platform.preemption import REQUEST_FILE
 from moe_platform.testing import (
     assert_stopped_once_and_resumes_exactly,
     finish,
@@ -17,6 +16,7 @@ from moe_platform.testing import (
     wait_for_logged_step,
     worker_pids,
 )
+from moe_platform.train.preemption import REQUEST_FILE
 
 pytestmark = pytest.mark.slow
 STEPS = 20

@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from moe_platform.cli import CONF_DIR, register_configs
 from moe_platform.config import load_run_config
+from moe_platform.launch.cli import CONF_DIR, register_configs
 from moe_platform.redact import REDACTED, is_secret_name, redact, redacted_yaml, secret_values
 from moe_platform.testing import finished_wandb_files, moe_train
 

@@ -19,8 +19,8 @@ from plotly.colors import sample_colorscale
 from data_pipeline import DataConfig
 from moe import ModelConfig
 from moe.mla_config import MLAConfig
-from moe_platform import report
 from moe_platform.config import TrainConfig, TrainerConfig
+from moe_platform.monitor import report
 from moe_platform.testing import metric_steps, moe_train
 
 FIGURES = ["fig-loss", "fig-throughput", "fig-optimizer", "fig-expert-load", "fig-routing"]

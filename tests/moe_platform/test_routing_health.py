@@ -13,10 +13,10 @@ from accelerate import Accelerator
 from moe.moe_config import MoEConfig, RouterConfig
 from moe.moe_layer import MoELayer
 from moe.stats import MoEStats, summarize
-from moe_platform.alerts import RoutingAlerts
 from moe_platform.config import ConfigError, LoggingConfig
-from moe_platform.metrics import ACROSS_LAYERS, LAYER_METRICS, across_layers, moe_record, reduce_moe_stats
-from moe_platform.progress import Progress
+from moe_platform.monitor.alerts import RoutingAlerts
+from moe_platform.monitor.metrics import ACROSS_LAYERS, LAYER_METRICS, across_layers, moe_record, reduce_moe_stats
+from moe_platform.monitor.progress import Progress
 from moe_platform.testing import moe_train
 
 D = 8
@@ -108,7 +108,7 @@ def test_the_alert_fires_once_on_a_collapsed_router_and_never_on_a_healthy_one(c
     healthy = MoELayer(D, MoEConfig(num_experts=4, top_k=2, expert_d_ff=12, min_capacity=0), "swiglu")
     collapsed = collapsed_layer()
     alerts = RoutingAlerts(LoggingConfig(alert_consecutive_logs=2), is_main=True)
-    with caplog.at_level(logging.WARNING, logger="moe_platform.alerts"):
+    with caplog.at_level(logging.WARNING, logger="moe_platform.monitor.alerts"):
         fired = [alerts.check(window_record(step, healthy, collapsed)) for step in (10, 20, 30, 40)]
     assert fired[0] == [] and fired[2] == [] and fired[3] == []  # not yet; then silent while it persists
     by_kind = {(a["alert"], a["expert"]): a for a in fired[1]}

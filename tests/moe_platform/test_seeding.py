@@ -7,8 +7,8 @@ import torch
 
 from moe import ModelConfig, MoEConfig, Transformer
 from moe.moe_config import RouterConfig
-from moe_platform.seeding import noise_seed, seed_initial_weights, seed_noise_streams
 from moe_platform.testing import moe_train, run_distributed
+from moe_platform.train.seeding import noise_seed, seed_initial_weights, seed_noise_streams
 
 
 def build_and_draw_noise(rank: int, world_size: int) -> tuple[dict, torch.Tensor]:

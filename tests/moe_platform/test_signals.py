@@ -1,6 +1,6 @@
 """Signals and failed ranks on real runs: a second Ctrl-C stops at once and leaves nothing that looks complete (the
 first one checkpoints and resumes exactly: test_preemption.py); a rank that hangs or dies makes the other one exit
-within distributed.timeout_s, naming it (preemption.py, liveness.py)."""
+within distributed.timeout_s, naming it (train/preemption.py, train/liveness.py)."""
 
 import os
 import re
@@ -13,8 +13,13 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from moe_platform.checkpoint import CHECKPOINT_DIRNAME, LATEST, complete_checkpoints, is_complete, latest_checkpoint
-from moe_platform.liveness import EXIT_CODE, REPORT_GRACE_S
+from moe_platform.checkpoint.catalog import (
+    CHECKPOINT_DIRNAME,
+    LATEST,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+)
 from moe_platform.testing import (
     finish,
     metric_steps,
@@ -23,6 +28,7 @@ from moe_platform.testing import (
     wait_for_logged_step,
     worker_pids,
 )
+from moe_platform.train.liveness import EXIT_CODE, REPORT_GRACE_S
 
 pytestmark = pytest.mark.slow
 STEPS = 20
@@ -71,13 +77,13 @@ def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_compl
 
 def test_every_process_group_waits_the_configured_timeout() -> None:
     """The default group and those made later (DeepSpeed's data-parallel group, expert_parallel's): torch gives a
-    new_group() its own default (30 min on gloo), not the default group's timeout (distributed.py)."""
+    new_group() its own default (30 min on gloo), not the default group's timeout (parallel/accelerator.py)."""
     script = """
 import os, torch, torch.distributed as dist
 from hydra import compose, initialize_config_dir
-from moe_platform.cli import CONF_DIR, register_configs
+from moe_platform.launch.cli import CONF_DIR, register_configs
 from moe_platform.config import to_train_config, validate_launch
-from moe_platform.distributed import build_accelerator
+from moe_platform.parallel.accelerator import build_accelerator
 from moe_platform.testing import FAST
 register_configs()
 with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from moe_platform.submit import TEMPLATE, job_shape, main, sbatch_option, template_options
+from moe_platform.launch.submit import TEMPLATE, job_shape, main, sbatch_option, template_options
 
 
 def sbatch_lines(script: Path) -> list[str]:

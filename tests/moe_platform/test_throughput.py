@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_platform.throughput import GPU_PEAK_TFLOPS, Throughput, device_peak_flops
+from moe_platform.monitor.throughput import GPU_PEAK_TFLOPS, Throughput, device_peak_flops
 
 
 @pytest.mark.parametrize(

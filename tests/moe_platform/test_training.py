@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from data_pipeline import build_loaders
-from moe_platform.checkpoint import export_fp32_state_dict, latest_checkpoint
-from moe_platform.export import load_checkpoint_config, load_exported_model
+from moe_platform.checkpoint.catalog import latest_checkpoint
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict
+from moe_platform.interop.export import load_checkpoint_config, load_exported_model
 from moe_platform.testing import BIN, moe_train, read_metrics, subprocess_env
 
 

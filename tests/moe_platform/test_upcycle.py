@@ -1,4 +1,5 @@
-"""Sparse upcycling: at step 0 the upcycled MoE model computes the dense model's logits (moe_platform/upcycle.py)."""
+"""Sparse upcycling: at step 0 the upcycled MoE model computes the dense model's logits
+(moe_platform/interop/upcycle.py)."""
 
 import dataclasses
 
@@ -8,7 +9,7 @@ import torch
 from moe import ModelConfig, ModelConfigError, Transformer
 from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig, RouterConfig
-from moe_platform.upcycle import upcycle_state_dict
+from moe_platform.interop.upcycle import upcycle_state_dict
 
 DENSE = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
 

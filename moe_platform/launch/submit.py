@@ -22,11 +22,11 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, OverrideParseException
 
-from moe_platform.cli import BAD_INPUT, CONF_DIR, register_configs
 from moe_platform.config import to_train_config, validate_launch
+from moe_platform.launch.cli import BAD_INPUT, CONF_DIR, register_configs
 from moe_platform.redact import redacted_yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "slurm" / "train.sbatch"
 SETTINGS = re.compile(r"^# ---- settings.*?^# ---- end of settings ----\n", re.MULTILINE | re.DOTALL)
 

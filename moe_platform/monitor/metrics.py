@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 
 from moe.stats import MoEStats, summarize
-from moe_platform import dashboards
+from moe_platform.monitor import dashboards
 from moe_platform.redact import redact, redacted_argv, secret_values
 
 LAYER_METRICS = (

@@ -6,20 +6,20 @@ Per optimizer step, on every rank:
      backward (Accelerate divides by grad_accum, or DeepSpeed does; a non-finite loss makes every gradient NaN) →
      collect the MoE layers' raw counts
   3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients (under expert parallelism the experts'
-     over their expert-data-parallel group: expert_parallel.py), clip, and step the optimizer, unless the global
-     grad norm is not finite (DeepSpeed checks it itself): then no rank steps, and `trainer.on_nan` skips the step
-     or halts, naming the first module whose output was non-finite (nan_guard.py)
+     over their expert-data-parallel group: parallel/expert_parallel.py), clip, and step the optimizer, unless the
+     global grad norm is not finite (DeepSpeed checks it itself): then no rank steps, and `trainer.on_nan` skips the
+     step or halts, naming the first module whose output was non-finite (nan_guard.py)
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks; none in a skipped step)
   5. at the step boundary each rank records the step in the c10d store (liveness.py names a dead or hung rank by it),
      and the ranks agree whether a preemption signal arrived (an all-reduce of a flag that no rank waits for: its
      sum is read at the next boundary, preemption.py)
   6. every `log_every` steps: reduce losses and expert statistics over ranks, write one record, and one record per
-     routing alert (a layer's MaxVio or drops too high, or an expert dead, for M logs in a row: alerts.py)
+     routing alert (a layer's MaxVio or drops too high, or an expert dead, for M logs in a row: monitor/alerts.py)
   7. every `eval_every` steps: evaluate; every `save_every` steps: checkpoint (every rank first checks its weights
      are finite; if not, nothing is written and the run halts: nan_guard.py)
   8. when preempted: log the window, every rank saves, requeue (preemption.py), stop
 One step per run (the second) is measured for peak memory and printed at the end beside the ledger's prediction
-(peak_memory.py); on CPU that step is left out of tokens/s, since the profiler slows it.
+(monitor/peak_memory.py); on CPU that step is left out of tokens/s, since the profiler slows it.
 """
 
 import contextlib
@@ -40,25 +40,31 @@ from moe import RunShape, format_ledger, matmul_flops_per_token
 from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
-from moe_platform import expert_parallel, faults
-from moe_platform.alerts import RoutingAlerts
-from moe_platform.checkpoint import Checkpointer, CheckpointError
+from moe_platform import faults
+from moe_platform.checkpoint.checkpointer import Checkpointer, CheckpointPart
+from moe_platform.checkpoint.errors import CheckpointError
+from moe_platform.checkpoint.experts import ExpertCheckpoint
+from moe_platform.checkpoint.layout import CheckpointLayout
+from moe_platform.checkpoint.universal import UniversalExpertCopy
 from moe_platform.config import TrainConfig
-from moe_platform.liveness import Liveness
-from moe_platform.metrics import MetricSinks, reduce_moe_stats
-from moe_platform.model_build import build_model, full_shape
-from moe_platform.nan_guard import NanGuard, NumericalFault, poison_nonfinite
-from moe_platform.peak_memory import PeakMemoryProbe, predict_peak
-from moe_platform.preemption import PreemptionWatch
-from moe_platform.progress import Progress
-from moe_platform.throughput import Throughput
+from moe_platform.monitor.alerts import RoutingAlerts
+from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
+from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak
+from moe_platform.monitor.progress import Progress
+from moe_platform.monitor.throughput import Throughput
+from moe_platform.parallel import deepspeed_experts, expert_parallel
+from moe_platform.train.liveness import Liveness
+from moe_platform.train.model_build import build_model, full_shape
+from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
+from moe_platform.train.preemption import PreemptionWatch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainState:
-    """Counters a resume needs besides model, optimizer, RNG and data position; saved as JSON (checkpoint.py)."""
+    """Counters a resume needs besides model, optimizer, RNG and data position; saved as JSON
+    (checkpoint/checkpointer.py)."""
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
@@ -149,7 +155,7 @@ class Trainer:
         accelerator: Accelerator,
         grad_accum: int,
         config_yaml: str,
-        layout: dict[str, Any],
+        layout: CheckpointLayout,
         resume_from: list[Path] | None = None,
     ) -> None:
         self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
@@ -174,15 +180,11 @@ class Trainer:
 
         self.state = TrainState()
         self.nan_guard = NanGuard(config.trainer, accelerator, self.model, self.state, self.run_dir)
-        experts = None
-        if config.model.moe is not None and not self._deepspeed:
-            experts = expert_parallel.ExpertCheckpoint(model, self._base_optimizer(), self.expert_groups)
-        elif self.expert_groups is not None:  # ZeRO shards hold the experts; the module needs them back on load
-            experts = expert_parallel.DeepSpeedExpertRestore(self.model)
         state = {"trainer": self.state, "data": self.data.train}  # JSON in every checkpoint
         self.checkpointer = Checkpointer(
-            self.run_dir, accelerator, config.trainer.keep_last, layout, state, experts, config.trainer.save_retries
-        )
+            self.run_dir, accelerator, config.trainer.keep_last, layout, state, self._checkpoint_parts(model),
+            config.trainer.save_retries,
+        )  # fmt: skip
         self._resume(resume_from or [])  # before the sinks open: a resume rewinds metrics.jsonl to its step
         self.sinks = MetricSinks(
             self.run_dir, asdict(config), config.logging, accelerator.is_main_process, self.state.step
@@ -295,12 +297,22 @@ class Trainer:
         lm_loss, aux_loss = float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean())
         return lm_loss, aux_loss, grad_norm, stats, applied
 
+    def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
+        """What checkpoints hold beside Accelerate's files: experts by global id (any strategy but DeepSpeed), or
+        under DeepSpeed with EP the universal copy and the experts restored into the module on load."""
+        if self.config.model.moe is not None and not self._deepspeed:
+            ep = self.expert_groups.expert_parallel if self.expert_groups is not None else None
+            return [ExpertCheckpoint(model, self._base_optimizer(), ep, self.accelerator)]
+        if self.expert_groups is not None:
+            return [UniversalExpertCopy(self.model)]
+        return []
+
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (expert_parallel.py)."""
+        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (deepspeed_experts.py)."""
         optim = self.config.optim
-        groups = expert_parallel.optimizer_param_groups(
-            optimizer_param_groups(model, self.config), self.expert_groups, self._deepspeed
-        )
+        groups = optimizer_param_groups(model, self.config)
+        if self._deepspeed and self.expert_groups is not None:
+            groups = deepspeed_experts.optimizer_param_groups(groups)
         kernel = adamw_kernel(optim.implementation, [p for group in groups for p in group["params"]])
         return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
 

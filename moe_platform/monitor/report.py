@@ -31,7 +31,7 @@ from plotly.subplots import make_subplots
 
 from moe import RunShape, format_ledger
 from moe.stats import load_balance
-from moe_platform.dashboards import tokens_per_expert_by_layer
+from moe_platform.monitor.dashboards import tokens_per_expert_by_layer
 
 MAX_SLIDER_STEPS = 60  # heatmap positions kept in the file; a long run is subsampled evenly (last step kept)
 MAX_HEATMAP_LABELS = 256  # cells above which the heatmap drops its per-cell numbers

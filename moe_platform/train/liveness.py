@@ -5,8 +5,8 @@ What the survivors see (gloo, torch 2.13, measured on CPU):
     which watches its workers, SIGTERMs the rest and names the dead rank ("Root Cause … exitcode -9");
   * a rank that is alive but stuck (SIGSTOP, a hung file system, a deadlock), or a node gone together with its
     agent: they block in their next collective until the process group's timeout (`distributed.timeout_s`, which
-    distributed.py hands to the group) and fail with "Timed out waiting 15000ms for recv operation"; torchrun then
-    names the first rank that exited, a survivor, as the root cause.
+    parallel/accelerator.py hands to the group) and fail with "Timed out waiting 15000ms for recv operation"; torchrun
+    then names the first rank that exited, a survivor, as the root cause.
 What this module adds: every rank writes where it runs (pid, host) once and its last completed step at every step
 boundary (one `set`) into the c10d store. A rank whose collective fails reports that in the store, waits a few
 seconds for the other survivors' reports, and names the ranks that sent none, in one line:
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from moe_platform.checkpoint import latest_checkpoint
+from moe_platform.checkpoint.catalog import latest_checkpoint
 
 EXIT_CODE = 5  # beside 2 (bad input), 3 (requeue limit), 4 (numerical fault)
 PREFIX = "moe_liveness"

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
 
-from moe_platform.checkpoint import latest_checkpoint
+from moe_platform.checkpoint.catalog import latest_checkpoint
 from moe_platform.config import ConfigError, TrainerConfig
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 The source's model config must be the run's `model.*` (a contradiction is refused, naming the key), so the weights
 load exactly; with `init.upcycle=true` the source is dense and `upcycle.py` turns its FFNs into the run's experts.
-Loading happens in `model_build.py`, after the model is built and before anything wraps or shards it: expert
+Loading happens in `train/model_build.py`, after the model is built and before anything wraps or shards it: expert
 parallelism (`expert_parallel.attach`) slices the full experts afterwards, and under ZeRO-3 each parameter is
 gathered, filled and partitioned again.
 """
@@ -17,9 +17,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moe import ModelConfig
-from moe_platform.checkpoint import CheckpointError, export_fp32_state_dict, latest_checkpoint
+from moe_platform.checkpoint.catalog import latest_checkpoint
+from moe_platform.checkpoint.consolidate import export_fp32_state_dict
+from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.config import ConfigError, TrainConfig, load_run_config
-from moe_platform.upcycle import upcycle_state_dict
+from moe_platform.interop.upcycle import upcycle_state_dict
 
 # Fields that shape no weight and change no loaded number, only how the run trains (or, max_seq_len, how far it
 # reads; learned positions are a weight, whose shape the strict load checks; absorb_decode, how a cached MLA decode
@@ -114,7 +116,7 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A transformers model dir through `hf_convert.from_hf`, which refuses what ours cannot compute exactly.
     Loaded whole by transformers (shards, safetensors or .bin alike), in fp32, on the CPU of every rank; a
     DeepSeek-V3 dir's MTP tensors are left out with a printed note (hf_convert's docstring)."""
-    from moe_platform.hf_convert import from_hf
+    from moe_platform.interop.hf_convert import from_hf
 
     config, state = from_hf(path)
     return config, {name: t.float() if t.is_floating_point() else t for name, t in state.items()}

@@ -95,7 +95,7 @@ def build_accelerator(
     if grouped and not torch.distributed.is_initialized():
         # Made here, and Accelerate and DeepSpeed take it as it is: InitProcessGroupKwargs.to_kwargs() drops a
         # timeout equal to its own default (600 s), and the group then got torch's 30 min under DDP on gloo, or
-        # DEEPSPEED_TIMEOUT under DeepSpeed (measured; liveness.py relies on this timeout to name a hung rank).
+        # DEEPSPEED_TIMEOUT under DeepSpeed (measured; train/liveness.py relies on this timeout to name a hung rank).
         torch.distributed.init_process_group(backend, timeout=timeout)
         # new_group() does not inherit it either but takes torch's module default (30 min on gloo, 10 on NCCL), and
         # DeepSpeed's data-parallel groups and expert_parallel's are made so (measured: a ZeRO-2 rank waited on a

@@ -17,7 +17,7 @@ reported again by the resumed job, after M of its own logs.
 import logging
 from typing import Any
 
-from moe_platform.dashboards import tokens_per_expert_by_layer
+from moe_platform.monitor.dashboards import tokens_per_expert_by_layer
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
     moe-train model=moe_tiny data=synthetic trainer.max_steps=200 trainer.log_every=10 \
         trainer.save_every=50 resume=auto hydra.run.dir=runs/demo
     torchrun --nproc_per_node=2 --no-python moe-train distributed=zero2 hydra.run.dir=runs/zero2
-    accelerate launch --multi_gpu --num_processes 2 -m moe_platform.cli distributed=zero2 hydra.run.dir=runs/zero2
+    accelerate launch --multi_gpu --num_processes 2 -m moe_platform.launch.cli distributed=zero2 \
+        hydra.run.dir=runs/zero2
 
 Under torchrun every rank runs this Hydra app. Only rank 0 lets Hydra write its .hydra/ files and log, and rank 0's
 output directory is broadcast once the process group exists, so a time-stamped directory that differs by a second
@@ -31,25 +32,19 @@ from omegaconf import DictConfig, OmegaConf
 
 from data_pipeline import DataConfigError, DataError, preflight
 from moe import ModelConfigError
-from moe_platform import bad_input
-from moe_platform.bad_input import RunDirBefore
-from moe_platform.checkpoint import (
-    CheckpointError,
-    CheckpointWriteError,
-    check_layout,
-    needs_universal_load,
-    read_layout,
-    resume_candidates,
-    sharding_layout,
-)
+from moe_platform.checkpoint.catalog import resume_candidates
+from moe_platform.checkpoint.errors import CheckpointError, CheckpointWriteError
+from moe_platform.checkpoint.layout import CheckpointLayout
 from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
-from moe_platform.init_from import adopt_source_model
-from moe_platform.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
-from moe_platform.nan_guard import NumericalFault
-from moe_platform.preemption import RequeueLimitReached
+from moe_platform.interop.init_from import adopt_source_model
+from moe_platform.launch import bad_input
+from moe_platform.launch.bad_input import RunDirBefore
+from moe_platform.launch.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
 from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
+from moe_platform.train.nan_guard import NumericalFault
+from moe_platform.train.preemption import RequeueLimitReached
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 # The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
 BAD_INPUT = {
     ConfigError: "config",
@@ -77,8 +72,8 @@ def agree_on_run_dir(accelerator, own_dir: Path) -> Path:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """The whole job after composition; returns the last logged metrics."""
-    from moe_platform.distributed import build_accelerator, has_gpu
-    from moe_platform.trainer import Trainer
+    from moe_platform.parallel.accelerator import build_accelerator, has_gpu
+    from moe_platform.train.trainer import Trainer
 
     hydra_config = HydraConfig.get()
     if hydra_config.output_subdir is not None:  # rank 0: Hydra has already recorded the overrides, secrets included
@@ -97,13 +92,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     candidates, passed_over = resume_candidates(config.resume, own_dir)  # newest first, files all present
     if passed_over and int(os.environ.get("RANK", "0")) == 0:
         print("\n".join(f"checkpoint passed over: {line}" for line in passed_over), file=sys.stderr, flush=True)
-    distributed = config.distributed
-    layout = sharding_layout(distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size)
+    layout = CheckpointLayout.of_run(config.distributed, world_size)
     load_universal = False
     if candidates:  # a checkpoint of another strategy or ZeRO stage is refused before any process group
-        saved = read_layout(candidates[0])
-        check_layout(candidates[0], saved, layout)
-        load_universal = needs_universal_load(saved, layout)
+        saved = CheckpointLayout.read(candidates[0])
+        saved.check_resumable_as(layout, candidates[0])
+        load_universal = saved.needs_universal_load(layout)
     accelerator = build_accelerator(config, grad_accum, world_size, load_universal)
     try:
         run_dir = agree_on_run_dir(accelerator, own_dir)

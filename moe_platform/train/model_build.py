@@ -20,9 +20,9 @@ from accelerate import Accelerator
 
 from moe import Transformer
 from moe_platform.config import TrainConfig
-from moe_platform.distributed import register_moe_leaf_modules
-from moe_platform.init_from import initial_state_dict, load_initial_weights
-from moe_platform.seeding import seed_initial_weights, seed_noise_streams
+from moe_platform.interop.init_from import initial_state_dict, load_initial_weights
+from moe_platform.parallel.accelerator import register_moe_leaf_modules
+from moe_platform.train.seeding import seed_initial_weights, seed_noise_streams
 
 
 def builds_partitioned(config: TrainConfig) -> bool:
