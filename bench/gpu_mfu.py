@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing it
 
-from moe import ModelConfig, MoEConfig, Transformer, count_parameters, matmul_flops_per_token
+from moe import ModelConfig, MoEConfig, RunShape, Transformer, count_parameters, matmul_flops_per_token
 from moe_platform.monitor.peak_memory import measure_peak, predict_peak, storage_bytes, training_tensors
 from moe_platform.monitor.throughput import device_peak_flops
 
@@ -142,7 +142,9 @@ def train(name: str, config: ModelConfig, args: argparse.Namespace, device: torc
     model_flops = matmul_flops_per_token(config, args.seq_len).training * tokens_per_s
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak_flops, _ = device_peak_flops(args.peak_tflops, args.dtype, gpu)
-    predicted = predict_peak(config, args.micro_batch, args.seq_len, args.dtype)
+    predicted = predict_peak(
+        config, RunShape(micro_batch_size=args.micro_batch, seq_len=args.seq_len, precision=args.dtype)
+    )
     params = count_parameters(config)
     return Result(
         name=name,

@@ -69,10 +69,8 @@ def plan_dispatch(
     elif capacity is not None and drop_policy == "choice":
         by_choice_J = torch.argsort(topk_ids_NK.t().reshape(-1), stable=True)  # j = k·N + n, grouped by expert
         order_A = (by_choice_J % num_tokens) * top_k + by_choice_J.div(num_tokens, rounding_mode="floor")
-    elif capacity is None or drop_policy == "position":
+    else:  # no capacity, or "position" (MoEConfig admits no other drop_policy)
         order_A = torch.argsort(expert_ids_A, stable=True)  # stable: token order within an expert
-    else:
-        raise ValueError(f"drop_policy={drop_policy!r} is not supported: use 'position', 'probs' or 'choice'")
 
     # A histogram by index_add, not bincount: on CUDA bincount reads its input's max to the host first.
     before_E = expert_ids_A.new_zeros(num_experts).index_add_(0, expert_ids_A, torch.ones_like(expert_ids_A))

@@ -12,6 +12,8 @@ L_moe MoE layers, N tokens per micro-batch, s bytes per activation element.
 
 from dataclasses import dataclass
 
+from moe.checkpointing import MODES as CHECKPOINTING
+
 # Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
 # arrow points one way: ledger → config.
 from moe.config import ModelConfig, count_parameters
@@ -252,8 +254,6 @@ def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
 # width, H / H_kv query / KV heads of d_h dims, F dense FFN width, E experts, K experts per token, A kept
 # assignments (N·K dropless, at most E·C under a capacity C), F_e expert width, F_s shared experts' total width,
 # V vocabulary, s bytes per activation element (4 fp32, 2 for a bf16 model), 4 for what is always fp32.
-
-CHECKPOINTING = ("none", "moe", "full")
 
 
 @dataclass(frozen=True)

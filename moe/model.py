@@ -15,7 +15,6 @@ from torch import nn
 
 from moe.alibi import alibi_bias
 from moe.attention import Attention, build_attention_mask, require_a_visible_key
-from moe.checkpointing import MODES as CHECKPOINTING_MODES
 from moe.checkpointing import recompute_in_backward
 from moe.config import ModelConfig
 from moe.ffn import FeedForward
@@ -98,10 +97,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def set_activation_checkpointing(self, mode: str) -> None:
-        """Recompute in backward: each MoE layer ("moe"), each block ("full"), or nothing ("none"); see
-        moe/checkpointing.py."""
-        if mode not in CHECKPOINTING_MODES:
-            raise ValueError(f"activation checkpointing {mode!r} is unknown: use one of {CHECKPOINTING_MODES}")
+        """Recompute in backward: each MoE layer ("moe"), each block ("full"), or nothing ("none"): one of
+        moe/checkpointing.py's MODES, which trainer.activation_checkpointing is checked against at start-up."""
         for block in self.blocks:
             block.checkpointing = mode
 

@@ -55,10 +55,8 @@ def select_topk(
         scores_NE = logits_NE  # choose on logits; the softmax comes after, over the K chosen
     elif score_fn == "softmax":
         scores_NE = logits_NE.softmax(dim=-1)
-    elif score_fn == "sigmoid":
+    else:  # "sigmoid": RouterConfig admits no other score_fn
         scores_NE = logits_NE.sigmoid()
-    else:
-        raise ValueError(f"score_fn={score_fn!r} is not supported: use 'softmax' or 'sigmoid'")
 
     choice_NE = scores_NE if selection_bias_E is None else scores_NE + selection_bias_E
     topk_ids_NK = group_limited_topk(choice_NE, top_k, n_group, topk_group)

@@ -25,13 +25,13 @@ from omegaconf.errors import (
 )
 
 from data_pipeline import DataConfig, DataConfigError
-from moe import ModelConfig, ModelConfigError
+from moe import ModelConfig, ModelConfigError, RunShape
+from moe.checkpointing import MODES as ACTIVATION_CHECKPOINTING
 
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed")
 PRECISIONS = ("fp32", "bf16")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
-ACTIVATION_CHECKPOINTING = ("none", "moe", "full")
 MOE_DETAILS = ("brief", "detailed")
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")  # torch.distributed's; null picks nccl with GPUs, gloo without
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -346,6 +346,22 @@ class TrainConfig:
         )
         self._check_expert_parallel()
 
+    def run_shape(self, world_size: int) -> RunShape:
+        """The ledger's view of this run on `world_size` ranks (the start-up ledger, the predicted peak, the report):
+        one spelling of what the model's memory and traffic depend on besides the model."""
+        micro = self.trainer.micro_batch_size
+        return RunShape(
+            micro_batch_size=micro,
+            seq_len=self.data.seq_len,
+            precision=self.trainer.precision,
+            zero_stage=self.distributed.zero_stage,
+            dp_size=world_size,
+            ep_size=self.distributed.expert_parallel_size,
+            grad_accum=self.data.global_batch_size // (micro * world_size),
+            checkpointing=self.trainer.activation_checkpointing,
+            attention_mask=self.data.document_mask,
+        )
+
     def _check_expert_parallel(self) -> None:
         ep = self.distributed.expert_parallel_size
         if ep == 1:
@@ -402,7 +418,7 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
         "distributed.offload_params moves parameters from GPU to host memory, but there is no GPU: "
         "use distributed=zero3",
     )
-    return config.data.global_batch_size // per_step
+    return config.run_shape(world_size).grad_accum
 
 
 # A user's mistake in the config, from any component's checks or from OmegaConf's own typing; anything else raised

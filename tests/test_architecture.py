@@ -1,5 +1,7 @@
-"""The import arrows of the house: `moe_platform` → `moe`, `data_pipeline`, never back; no cycles inside a package;
-Hydra only at the entry point. Checked on the source (every import statement, lazy ones inside functions too)."""
+"""The import arrows of the house: `moe_platform` → `moe`, `data_pipeline`, never back; no cycles; inside
+`moe_platform`, wings (sub-packages by concern) that import each other only along the arrows in `WINGS`, a root that
+imports no wing, and Hydra only in the launch wing. Checked on the source (every import statement, lazy ones inside
+functions too)."""
 
 import ast
 from pathlib import Path

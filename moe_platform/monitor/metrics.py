@@ -4,8 +4,8 @@ Every logged step becomes one flat dict (`step`, `loss`, `lr`, `grad_norm`, `tok
 `throughput.py`, `eval/loss`, `moe/layer_{i}/<metric>` per MoE layer, and `moe/all/<metric>_<summary>` across
 layers), written by rank 0 to metrics.jsonl always, and to wandb and TensorBoard when enabled.
 
-Across layers, each metric m of `ACROSS_LAYERS` gets `moe/all/{m}_min`, `_p50`, `_p95`, `_max` and `_worst_layer`
-(the layer id with the highest value, or the lowest for entropy; the lowest id on a tie). The percentiles
+Across layers, each metric m of `dashboards.ACROSS_LAYER_METRICS` gets `moe/all/{m}_min`, `_p50`, `_p95`, `_max` and
+`_worst_layer` (the layer id with the highest value, or the lowest for entropy; the lowest id on a tie). The percentiles
 interpolate linearly between the sorted per-layer values (numpy's default `method="linear"`): with L layers,
 p is read at position p/100 · (L − 1), so with one layer every summary is that layer's value.
 """
@@ -36,7 +36,6 @@ LAYER_METRICS = (
     "aux_loss",
     "z_loss",
 )
-ACROSS_LAYERS = ("maxvio", "drop_frac", "cv", "entropy", "dead_experts")
 LOW_IS_WORSE = ("entropy",)  # a router whose distribution narrows towards one expert is the unhealthy one
 
 
@@ -71,20 +70,19 @@ def moe_record(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def across_layers(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """min / p50 / p95 / max of each `ACROSS_LAYERS` metric over the MoE layers, and the worst layer's id."""
+    """Each of `dashboards.ACROSS_LAYER_STATS` (min / p50 / p95 / max, and the worst layer's id) of each
+    `dashboards.ACROSS_LAYER_METRICS` metric over the MoE layers."""
     if not summaries:
         return {}
     layers = sorted(summaries)
     record: dict[str, Any] = {}
-    for name in ACROSS_LAYERS:
+    for name in dashboards.ACROSS_LAYER_METRICS:
         values = np.array([float(summaries[layer][name]) for layer in layers])
         worst = int(np.argmin(values) if name in LOW_IS_WORSE else np.argmax(values))  # first index on a tie
         p50, p95 = np.percentile(values, [50, 95], method="linear")
-        record[f"moe/all/{name}_min"] = float(values.min())
-        record[f"moe/all/{name}_p50"] = float(p50)
-        record[f"moe/all/{name}_p95"] = float(p95)
-        record[f"moe/all/{name}_max"] = float(values.max())
-        record[f"moe/all/{name}_worst_layer"] = layers[worst]
+        stats = {"min": float(values.min()), "p50": float(p50), "p95": float(p95), "max": float(values.max())}
+        stats["worst_layer"] = layers[worst]
+        record.update({f"moe/all/{name}_{stat}": stats[stat] for stat in dashboards.ACROSS_LAYER_STATS})
     return record
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
-from moe.ledger import activation_bytes, training_state_bytes_per_rank
+from moe.ledger import RunShape, activation_bytes, training_state_bytes_per_rank
 
 
 @dataclass
@@ -118,24 +118,16 @@ class PeakPrediction:
         return self.state_bytes + self.activation_bytes
 
 
-def predict_peak(
-    config: ModelConfig,
-    micro_batch_size: int,
-    seq_len: int,
-    precision: str,
-    checkpointing: str = "none",
-    zero_stage: int = 0,
-    world_size: int = 1,
-    ep_size: int = 1,
-    attention_mask: bool = False,
-) -> PeakPrediction:
+def predict_peak(config: ModelConfig, run: RunShape) -> PeakPrediction:
     """Training state per rank (weights + gradients + optimizer) + one micro-batch's activations, from the ledger.
 
     Gradients and the full activations never peak together (backward frees activations as it writes gradients,
     and the optimizer's temporaries come after both), so this sum bounds the step's tensors from above up to
     what neither counts: transients inside one op, the gradient of the logits, the batch itself."""
-    state = training_state_bytes_per_rank(config, precision, zero_stage, world_size, ep_size)
-    activations = activation_bytes(config, micro_batch_size, seq_len, precision, checkpointing, attention_mask)
+    state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
+    activations = activation_bytes(
+        config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
+    )
     return PeakPrediction(state.total, activations.total)
 
 

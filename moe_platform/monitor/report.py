@@ -29,7 +29,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from moe import RunShape, format_ledger
+from moe import format_ledger
 from moe.stats import load_balance
 from moe_platform.monitor.dashboards import tokens_per_expert_by_layer
 
@@ -156,24 +156,12 @@ def ledger_text(config, ranks: int | None) -> str:
     """The start-up ledger of this config, for the run's world size (1 assumed, and said, when unknown): the run
     shape the trainer printed, activation checkpointing and the document mask included."""
     dp_size = ranks or 1
-    micro = config.trainer.micro_batch_size
-    run = RunShape(
-        micro_batch_size=micro,
-        seq_len=config.data.seq_len,
-        precision=config.trainer.precision,
-        zero_stage=config.distributed.zero_stage,
-        dp_size=dp_size,
-        ep_size=config.distributed.expert_parallel_size,
-        grad_accum=max(1, config.data.global_batch_size // (micro * dp_size)),
-        checkpointing=config.trainer.activation_checkpointing,
-        attention_mask=config.data.document_mask,
-    )
     where = (
         f"{dp_size} rank(s), the run's world size at its first logged step"
         if ranks
         else "1 rank assumed (metrics.jsonl does not record the world size yet)"
     )
-    return f"for {where}\n\n{format_ledger(config.model, run)}"
+    return f"for {where}\n\n{format_ledger(config.model, config.run_shape(dp_size))}"
 
 
 # ---- figures --------------------------------------------------------------------------------------------------------
@@ -310,12 +298,10 @@ def routing_figure(train: list[dict[str, Any]], layers: list[int], config) -> go
                 row=1,
                 col=col,
             )
-    logging_config = getattr(config, "logging", None)
-    for col, name in ((1, "alert_maxvio"), (2, "alert_drop_frac")):
-        threshold = getattr(logging_config, name, None)
-        if threshold is not None:
+    if config is not None:  # the thresholds the run alerted at (alerts.py)
+        for col, name in ((1, "alert_maxvio"), (2, "alert_drop_frac")):
             fig.add_hline(
-                y=threshold,
+                y=getattr(config.logging, name),
                 line_dash="dot",
                 line_color="red",
                 row=1,

@@ -17,7 +17,7 @@ How a fault is seen, on every strategy, from one number that every rank already 
     ZeRO-1, -2 and -3, in fp32 and in bf16, check the global norm (reduced over ranks) before their step and skip
     it when it is not finite: the weights after step 3 equal those after step 2, and the engine reports
     `was_step_applied() == False`, which is what the guard reads. Stage 0 in bf16 checks too (BF16_Optimizer), but
-    stage 0 in fp32 steps the plain torch optimizer unchecked (NaN weights after step 3): the guard refuses it.
+    stage 0 in fp32 steps the plain torch optimizer unchecked (NaN weights after step 3): TrainConfig refuses it.
 On a fault every rank re-runs the step's forwards (no grad, RNG untouched; ranks run together, since a forward may
 hold collectives) with hooks that note the first module whose output is non-finite; the ranks agree on the earliest
 (micro-batch, module in execution order, rank).
@@ -36,7 +36,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from moe_platform.checkpoint.catalog import latest_checkpoint
-from moe_platform.config import ConfigError, TrainerConfig
+from moe_platform.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,6 @@ class NanGuard:
         self.accelerator, self.model, self.state, self.run_dir = accelerator, model, state, Path(run_dir)
         self.engine = model if hasattr(model, "was_step_applied") else None  # a DeepSpeed engine
         self.skipped_in_window = 0
-        if self.engine is not None and not hasattr(self.engine.optimizer, "overflow"):
-            raise ConfigError(
-                f"DeepSpeed's {type(self.engine.optimizer).__name__} (ZeRO stage 0 in fp32) steps without checking "
-                "the gradients, so trainer.on_nan cannot keep NaN out of the weights: use distributed=zero1 or ddp"
-            )
 
     def step_is_finite(self, grad_norm: float) -> bool:
         """After the step's last backward and clipping: may the update be applied? The same answer on every rank.

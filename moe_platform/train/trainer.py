@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from data_pipeline import build_loaders
-from moe import RunShape, format_ledger, matmul_flops_per_token
+from moe import format_ledger, matmul_flops_per_token
 from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
@@ -199,6 +199,7 @@ class Trainer:
             precision=config.trainer.precision,
         )
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
+        self.run_shape = config.run_shape(accelerator.num_processes)  # the ledger's view: start, footprint, end
         # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
         self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
 
@@ -239,15 +240,13 @@ class Trainer:
         ):
             self.save()
         self._print_end(last)
-        self.sinks.close()
-        self.preemption.close()
+        self._close()
         return last
 
     def _stop_for_preemption(self, last: dict[str, Any]) -> dict[str, Any]:
         """Every rank saves this step, then rank 0 requeues the job (or says how to continue)."""
         checkpoint = self.save()
-        self.sinks.close()
-        self.preemption.close()
+        self._close()
         message = self.preemption.after_checkpoint(self.state.step, checkpoint)
         if self.accelerator.is_main_process:
             print(message, flush=True)
@@ -255,9 +254,14 @@ class Trainer:
 
     def _halt(self, message: str) -> NoReturn:
         """Stop for a NaN/Inf (nan_guard.py) on every rank together: the CLI prints the message and exits with 4."""
+        self._close()
+        raise NumericalFault(message)
+
+    def _close(self) -> None:
+        """However the loop ends: the metric sinks flushed and closed, the preemption flag's last sum taken in and
+        the signal handlers put back (collective with several ranks)."""
         self.sinks.close()
         self.preemption.close()
-        raise NumericalFault(message)
 
     def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
         """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm, the
@@ -320,8 +324,7 @@ class Trainer:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
         max_norm = self.config.optim.grad_clip or math.inf
         if self.expert_groups is not None and not self._deepspeed:
-            model = self.accelerator.unwrap_model(self.model)
-            return expert_parallel.reduce_and_clip(model, max_norm, self.expert_groups)
+            return expert_parallel.reduce_and_clip(self.module, max_norm, self.expert_groups)
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm) if norm is not None else float("nan")
 
@@ -401,22 +404,20 @@ class Trainer:
             if torch.is_tensor(t) and t.ndim > 0  # AdamW's m and v; the scalar step counter is not state bytes
         )
         per_rank = self.accelerator.gather(torch.tensor([own], device=self.accelerator.device)).tolist()
-        # DistributedConfig holds zero_stage at 0 unless the strategy is deepspeed.
-        zero_stage = self.config.distributed.zero_stage
+        run = self.run_shape
         # AdamW's m and v are fp32 in every precision here: the fp32 row of the ledger (8 B/param) predicts them.
-        ep_size = self.config.distributed.expert_parallel_size
         predicted = training_state_bytes_per_rank(
-            self.config.model, "fp32", zero_stage, self.accelerator.num_processes, ep_size
+            self.config.model, "fp32", run.zero_stage, run.dp_size, run.ep_size
         ).optimizer
         # Parameters this rank stores: its expert block under EP, its partition (ds_tensor) under ZeRO-3.
-        held = sum(getattr(p, "ds_tensor", p).numel() for p in self.accelerator.unwrap_model(self.model).parameters())
+        held = sum(getattr(p, "ds_tensor", p).numel() for p in self.module.parameters())
         held_per_rank = self.accelerator.gather(torch.tensor([held], device=self.accelerator.device)).tolist()
-        shards = self.accelerator.num_processes if zero_stage == 3 else 1
+        shards = run.dp_size if run.zero_stage == 3 else 1
         return {
             "memory/optimizer_state_bytes_per_rank": per_rank,
             "ledger/optimizer_state_bytes_per_rank": predicted,
             "memory/params_per_rank": held_per_rank,
-            "ledger/params_per_rank": params_per_rank(self.config.model, ep_size) / shards,
+            "ledger/params_per_rank": params_per_rank(self.config.model, run.ep_size) / shards,
         }
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
@@ -440,17 +441,6 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         config = self.config
-        run = RunShape(
-            micro_batch_size=config.trainer.micro_batch_size,
-            seq_len=config.data.seq_len,
-            precision=config.trainer.precision,
-            zero_stage=config.distributed.zero_stage,
-            dp_size=self.accelerator.num_processes,
-            ep_size=config.distributed.expert_parallel_size,
-            grad_accum=self.grad_accum,
-            checkpointing=config.trainer.activation_checkpointing,
-            attention_mask=config.data.document_mask,
-        )
         lines = [
             f"run dir: {self.run_dir}",
             f"{self.accelerator.num_processes} rank(s), {self.accelerator.distributed_type.value}, "
@@ -462,7 +452,7 @@ class Trainer:
         ]
         if self.data.entropy_floor is not None:
             lines.append(f"synthetic data entropy floor: {self.data.entropy_floor:.4f} nats/token")
-        print("\n".join(lines) + "\n\n" + format_ledger(config.model, run) + "\n", flush=True)
+        print("\n".join(lines) + "\n\n" + format_ledger(config.model, self.run_shape) + "\n", flush=True)
 
     def _print_end(self, last: dict[str, Any]) -> None:
         if not self.accelerator.is_main_process:
@@ -473,21 +463,10 @@ class Trainer:
         floor = self.data.entropy_floor
         if floor is not None and "eval/loss" in last:
             line += f"; entropy floor {floor:.4f} (eval loss is {100 * (last['eval/loss'] / floor - 1):+.1f}% above)"
-        config = self.config
-        if not config.logging.peak_memory:
+        if not self.config.logging.peak_memory:
             print(line, flush=True)
             return
-        predicted = predict_peak(
-            config.model,
-            config.trainer.micro_batch_size,
-            config.data.seq_len,
-            config.trainer.precision,
-            config.trainer.activation_checkpointing,
-            config.distributed.zero_stage,
-            self.accelerator.num_processes,
-            config.distributed.expert_parallel_size,
-            attention_mask=config.data.document_mask,
-        )
+        predicted = predict_peak(self.config.model, self.run_shape)
         print(line + "\n" + self.peak_memory.describe(predicted), flush=True)
 
 

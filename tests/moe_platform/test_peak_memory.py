@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe import ModelConfig, MoEConfig, Transformer
+from moe import ModelConfig, MoEConfig, RunShape, Transformer
 from moe.mla_config import MLAConfig
 from moe_platform.monitor.peak_memory import (
     PeakMemoryProbe,
@@ -75,7 +75,9 @@ def test_measured_peak_is_within_20_percent_of_the_ledger(case: str) -> None:
     # What the step starts from, counted directly: this test process still holds other tests' tensors.
     with measure_peak("cpu", storage_bytes(training_tensors(model, optimizer))) as peak:
         step()
-    predicted = predict_peak(config, B, S, "fp32", checkpointing)
+    predicted = predict_peak(
+        config, RunShape(micro_batch_size=B, seq_len=S, precision="fp32", checkpointing=checkpointing)
+    )
     assert peak.peak_bytes == pytest.approx(predicted.total, rel=0.2)
 
 

@@ -15,7 +15,8 @@ from moe.moe_layer import MoELayer
 from moe.stats import MoEStats, summarize
 from moe_platform.config import ConfigError, LoggingConfig
 from moe_platform.monitor.alerts import RoutingAlerts
-from moe_platform.monitor.metrics import ACROSS_LAYERS, LAYER_METRICS, across_layers, moe_record, reduce_moe_stats
+from moe_platform.monitor.dashboards import ACROSS_LAYER_METRICS, ACROSS_LAYER_STATS
+from moe_platform.monitor.metrics import LAYER_METRICS, across_layers, moe_record, reduce_moe_stats
 from moe_platform.monitor.progress import Progress
 from moe_platform.testing import moe_train
 
@@ -46,9 +47,7 @@ def test_across_layer_summaries_are_linear_percentiles_and_name_the_worst_layer(
         for layer in maxvio
     }
     record = across_layers(summaries)
-    assert set(record) == {
-        f"moe/all/{m}_{s}" for m in ACROSS_LAYERS for s in ("min", "p50", "p95", "max", "worst_layer")
-    }
+    assert set(record) == {f"moe/all/{m}_{s}" for m in ACROSS_LAYER_METRICS for s in ACROSS_LAYER_STATS}
     # Sorted MaxVio: 0.1 0.5 0.5 1.5 2.0; p95 sits at position 0.95 · 4 = 3.8, between 1.5 and 2.0.
     assert record["moe/all/maxvio_min"] == 0.1 and record["moe/all/maxvio_max"] == 2.0
     assert record["moe/all/maxvio_p50"] == 0.5
@@ -57,7 +56,7 @@ def test_across_layer_summaries_are_linear_percentiles_and_name_the_worst_layer(
     # Entropy's worst is its minimum; on a tie (layers 3 and 7) the lowest id.
     assert record["moe/all/entropy_worst_layer"] == 3 and record["moe/all/entropy_min"] == 0.2
     assert record["moe/all/drop_frac_worst_layer"] == 1  # all equal: the first layer
-    for name in ACROSS_LAYERS:
+    for name in ACROSS_LAYER_METRICS:
         s = [record[f"moe/all/{name}_{q}"] for q in ("min", "p50", "p95", "max")]
         assert s == sorted(s)
     # One layer: every summary is that layer's value.
