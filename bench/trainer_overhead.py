@@ -152,20 +152,17 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     the trainer logs for a step (with trainer.log_every=1)."""
     import torch
     import torch.nn.functional as F
-    from hydra import compose, initialize_config_dir
 
     from data_pipeline import build_loaders
     from moe.moe_layer import update_balancing_biases
-    from moe_platform.config import to_train_config, validate_launch, world_size_from_env
-    from moe_platform.launch.cli import CONF_DIR, register_configs
+    from moe_platform.config import validate_launch, world_size_from_env
+    from moe_platform.launch.compose import train_config
     from moe_platform.parallel.accelerator import deepspeed_config
     from moe_platform.train import trainer
     from moe_platform.train.model_build import build_model
 
     mode = args.bare
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        config = to_train_config(compose(config_name="train", overrides=run_overrides(args, mode)))
+    config = train_config(run_overrides(args, mode))
     world = world_size_from_env()
     accum = validate_launch(config, world, torch.cuda.is_available())
     rank = int(os.environ.get("RANK", "0"))

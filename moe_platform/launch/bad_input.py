@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import shutil
 import typing
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigTypeError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
 from moe_platform.config import not_a_key
 
@@ -52,8 +53,18 @@ def missing_option(group: str, option: str, options: Optional[list[str]], summar
 
 
 def composition_cause(cause: Optional[BaseException], summary: str, overrides: list[str]) -> str:
-    """A composition failure by what OmegaConf said caused it: an unknown key, a value of the wrong type, ..."""
-    if isinstance(cause, ConfigAttributeError) and cause.full_key:
+    """A composition failure by what OmegaConf said caused it: an unknown key, a value of the wrong type, ...; a
+    mistake in a config file (a user's own, under --config-dir) rather than an override names the file, which
+    Hydra's summary starts with (`In 'experiment/mine': ...`)."""
+    sentence = _cause(cause, summary, overrides)
+    in_file = re.match(r"In '([^']+)': ", summary)
+    if in_file is None or sentence.startswith(summary):
+        return sentence
+    return f"in {in_file.group(1)}.yaml, {sentence}"
+
+
+def _cause(cause: Optional[BaseException], summary: str, overrides: list[str]) -> str:
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
         return _unknown_key(cause.full_key, cause.object_type, overrides)
     if isinstance(cause, ValidationError) and cause.full_key:
         return _wrong_value(cause, overrides)

@@ -5,6 +5,7 @@
     torchrun --nproc_per_node=2 --no-python moe-train distributed=zero2 hydra.run.dir=runs/zero2
     accelerate launch --multi_gpu --num_processes 2 -m moe_platform.launch.cli distributed=zero2 \
         hydra.run.dir=runs/zero2
+    moe-train --config-dir=my_configs experiment=mine  # configs of one's own beside the package's (compose.py)
 
 Under torchrun every rank runs this Hydra app. Only rank 0 lets Hydra write its .hydra/ files and log, and rank 0's
 output directory is broadcast once the process group exists, so a time-stamped directory that differs by a second
@@ -17,16 +18,13 @@ leaves the run directory as it found it (bad_input.py).
 """
 
 import contextlib
-import io
 import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,16 +33,22 @@ from moe import ModelConfigError
 from moe_platform.checkpoint.catalog import resume_candidates
 from moe_platform.checkpoint.errors import CheckpointError, CheckpointWriteError
 from moe_platform.checkpoint.layout import CheckpointLayout
-from moe_platform.config import ConfigError, TrainConfig, to_train_config, validate_launch, world_size_from_env
+from moe_platform.config import ConfigError, to_train_config, validate_launch, world_size_from_env
 from moe_platform.interop.init_from import adopt_source_model
-from moe_platform.launch import bad_input
 from moe_platform.launch.bad_input import RunDirBefore
+from moe_platform.launch.compose import (
+    CONFIG_NAME,
+    CONFIG_PATH,
+    compose_train,
+    composition_error,
+    plain_run,
+    register_configs,
+)
 from moe_platform.launch.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
 from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
 from moe_platform.train.nan_guard import NumericalFault
 from moe_platform.train.preemption import RequeueLimitReached
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 # The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
 BAD_INPUT = {
     ConfigError: "config",
@@ -112,7 +116,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         accelerator.end_training()  # destroys the process group
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+@hydra.main(version_base=None, config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     try:
         return run(cfg)  # a sweep's launcher (e.g. submitit) hands each job's last metrics back
@@ -130,11 +134,6 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     except CheckpointWriteError as err:  # a full disk or failing storage: the earlier checkpoints are intact
         print(f"stopped: {err}", file=sys.stderr)
         sys.exit(6)
-
-
-def register_configs() -> None:
-    """Put the schema in Hydra's ConfigStore; conf/train.yaml lists `train_schema` first in its defaults."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _quiet_hydra_on_other_ranks() -> None:
@@ -160,66 +159,24 @@ _run_dir_before: Optional[RunDirBefore] = None
 def _compose_or_exit(argv: list[str]) -> None:
     """Compose a plain run's config once before Hydra does, so that a mistake in composing it is one sentence
     (`config error: trainer.max_step is not a key of trainer: did you mean trainer.max_steps?`) and exit 2, not
-    Hydra's several lines and exit 1; and note the run directory as it is before Hydra makes it. Anything but a
-    plain run (--help, --cfg, --multirun, ...) is left to Hydra as it is."""
+    Hydra's several lines and exit 1, with a user's --config-dir as with the package's configs alone; and note the
+    run directory as it is before Hydra makes it. Anything but a plain run (--help, --cfg, --multirun, ...) is left
+    to Hydra as it is."""
     global _run_dir_before
-    overrides = _plain_run_overrides(argv)
-    if overrides is None:
+    run = plain_run(argv)
+    if run is None:
         return
-    from hydra import compose, initialize_config_dir
-
-    def compose_train(some: list[str]) -> DictConfig:
-        return compose("train", overrides=some, return_hydra_config=True)
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        try:
-            cfg = compose_train(overrides)
-        except Exception as err:
-            sentence = _composition_error(err, overrides, compose_train)
-            if sentence is None:
-                return  # not a mistake in the input: Hydra composes again and reports it its own way
-            print(f"config error: {sentence}".replace("\n", " "), file=sys.stderr)
-            sys.exit(2)
+    try:
+        cfg = compose_train(run.overrides, run.config_dir, with_hydra=True)
+    except Exception as err:
+        sentence = composition_error(err, run.overrides, run.config_dir)
+        if sentence is None:
+            return  # not a mistake in the input: Hydra composes again and reports it its own way
+        print(f"config error: {sentence}".replace("\n", " "), file=sys.stderr)
+        sys.exit(2)
     with contextlib.suppress(Exception):  # a run dir that cannot be resolved here fails in Hydra just the same
         hydra_node = cfg.hydra
         _run_dir_before = RunDirBefore.look(str(hydra_node.run.dir), hydra_node.output_subdir)
-
-
-def _composition_error(
-    err: Exception, overrides: list[str], compose: Callable[[list[str]], DictConfig]
-) -> Optional[str]:
-    """One sentence, naming the key and the fix, for a mistake Hydra met composing `overrides` (bad_input.py words
-    it); None for anything else, which keeps Hydra's own report. `compose` composes a list of overrides."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-
-    if isinstance(err, OverrideParseException):
-        return bad_input.unparsable(str(err))
-    if isinstance(err, MissingConfigException):
-        group, _, option = (err.missing_cfg_file or "").rpartition("/")
-        return bad_input.missing_option(group, option, list(err.options or []), bad_input.first_line(err))
-    if isinstance(err, AssertionError):  # OmegaConf's, for an override that sets a key below a null node
-        return bad_input.below_null(overrides, compose)
-    if isinstance(err, ConfigCompositionException):
-        return bad_input.composition_cause(err.__cause__, bad_input.first_line(err), overrides)
-    return None
-
-
-def _plain_run_overrides(argv: list[str]) -> Optional[list[str]]:
-    """The overrides of a plain run, as Hydra's own argument parser reads them; None for anything else."""
-    from hydra._internal.utils import get_args_parser
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            args, unknown = get_args_parser().parse_known_args(argv)
-    except SystemExit:  # --version, or arguments Hydra's parser refuses: Hydra answers them itself
-        return None
-    other_work = (
-        args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun,
-        args.experimental_rerun, args.config_path, args.config_name, args.config_dir,
-    )  # fmt: skip
-    if unknown or any(other_work) or any(o.lstrip("+").startswith("hydra.mode=") for o in args.overrides):
-        return None
-    return args.overrides
 
 
 def _undo_refused_start() -> None:

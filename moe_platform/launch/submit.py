@@ -2,16 +2,21 @@
 
     moe-submit --nodes=4 --gpus-per-node=8 --time=12:00:00 -- model=moe_small distributed=zero2
 
+    moe-submit --nodes=2 -- --config-dir=my_configs experiment=mine
+
 1. The config is composed and validated here, on the submit host, for the job's world size (nodes × ranks per
-   node): a bad config is refused in one sentence and nothing reaches the queue.
-2. The run directory (`hydra.run.dir`, default runs/<job name>-<time>) gets `train.sbatch`, a copy of
-   slurm/train.sbatch with these sbatch options and overrides fixed in it (re-runnable with plain `sbatch`), and
+   node), with the user's --config-dir and hydra.* overrides (hydra.searchpath included) as moe-train would take
+   them: a bad config is refused in one sentence and nothing reaches the queue.
+2. The run directory (`hydra.run.dir`, default runs/<job name>-<time>) gets `train.sbatch`, a copy of the package's
+   job template (slurm/train.sbatch) with these sbatch options, the overrides, the --config-dir made absolute, the
+   package's slurm/launch.sh and this environment's bin/ fixed in it (re-runnable with plain `sbatch`), and
    `config.yaml`, the resolved config. The job's log goes to RUN_DIR/slurm-<job id>.out, appended across requeues.
 3. `sbatch` submits it; the job id and the run directory are printed.
 `--dry-run` stops after step 2. The machine's memory check is left to the job: the submit host is not a compute node.
 """
 
 import argparse
+import importlib.resources
 import re
 import shlex
 import subprocess
@@ -19,15 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException, OverrideParseException
-
-from moe_platform.config import to_train_config, validate_launch
-from moe_platform.launch.cli import BAD_INPUT, CONF_DIR, register_configs
+from moe_platform.config import ConfigError, to_train_config, validate_launch
+from moe_platform.launch.cli import BAD_INPUT
+from moe_platform.launch.compose import compose_train, composition_error, plain_run, user_config_dir
 from moe_platform.redact import redacted_yaml
 
-REPO = Path(__file__).resolve().parents[2]
-TEMPLATE = REPO / "slurm" / "train.sbatch"
+# The job template and the per-node launcher as this install ships them (pyproject.toml): the checkout's slurm/
+# under an editable install, site-packages' moe_platform/slurm/ from a wheel.
+SLURM_DIR = Path(str(importlib.resources.files("moe_platform.slurm")))
+TEMPLATE = SLURM_DIR / "train.sbatch"
+LAUNCHER = SLURM_DIR / "launch.sh"
 SETTINGS = re.compile(r"^# ---- settings.*?^# ---- end of settings ----\n", re.MULTILINE | re.DOTALL)
 
 
@@ -75,7 +81,7 @@ def render(template: str, options: list[str], overrides: list[str], run_dir: Pat
     reads them in order, so a later line wins)."""
     settings = (
         "# ---- settings: written by moe-submit ----\n"
-        f"MOE_HOME={shlex.quote(str(REPO))}\n"
+        f"MOE_LAUNCH={shlex.quote(str(LAUNCHER))}\n"
         f"MOE_BIN={shlex.quote(str(bin_dir))}\n"
         f"if [[ $# -eq 0 ]]; then set -- {' '.join(shlex.quote(o) for o in overrides)}; fi\n"
         "# ---- end of settings ----\n"
@@ -101,19 +107,25 @@ def main(argv: list[str] | None = None) -> None:
     all_options = [*template_options(template), *options]
     nodes, gpus_per_node = job_shape(all_options)
     per_node = max(gpus_per_node, 1)
-    register_configs()
+    config_dir = None
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose("train", overrides=[o for o in overrides if not o.startswith("hydra.")])
+        run = plain_run(overrides)
+        if run is None:
+            raise ConfigError(
+                "the arguments after -- are not one training run (moe-train's --help, --cfg, --multirun and "
+                "--config-name are not for moe-submit): give moe-train's overrides there, after --config-dir=DIR "
+                "for configs of your own"
+            )
+        overrides = run.overrides
+        if run.config_dir is not None:
+            config_dir = user_config_dir(run.config_dir)  # absolute: the job may start elsewhere
+        cfg = compose_train(overrides, config_dir)
         validate_launch(to_train_config(cfg), nodes * per_node, has_gpu=gpus_per_node > 0)
-    except (*BAD_INPUT, ConfigCompositionException, OverrideParseException) as err:
-        # Hydra's composition errors run over several lines; keep the sentences, drop OmegaConf's key dump.
-        text = f"{err}\n{err.__cause__ or ''}"
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        message = " ".join(
-            line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type"))
-        )
-        print(f"config error: {message} (nothing was submitted)", file=sys.stderr)
+    except Exception as err:
+        sentence = str(err) if isinstance(err, tuple(BAD_INPUT)) else composition_error(err, overrides, config_dir)
+        if sentence is None:
+            raise  # not a mistake in the input: it keeps its traceback
+        print(f"config error: {sentence} (nothing was submitted)".replace("\n", " "), file=sys.stderr)
         sys.exit(2)
 
     job_name = sbatch_option(all_options, "--job-name", "-J") or "moe-train"
@@ -123,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(redacted_yaml(cfg))  # secrets replaced, as moe-train writes it
     script = run_dir / "train.sbatch"
-    script.write_text(render(template, options, overrides, run_dir, Path(sys.executable).parent))
+    job_args = [*([f"--config-dir={config_dir}"] if config_dir is not None else []), *overrides]
+    script.write_text(render(template, options, job_args, run_dir, Path(sys.executable).parent))
     print(f"rendered {script} ({nodes} node(s) × {per_node} rank(s)) with {run_dir / 'config.yaml'}")
     if args.dry_run:
         return

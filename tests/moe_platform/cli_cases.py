@@ -106,23 +106,21 @@ def main() -> None:
     import datasets.packaged_modules.json.json  # noqa: F401
     import transformers  # noqa: F401
 
+    import moe_platform.launch.cli
     import moe_platform.parallel.accelerator
     import moe_platform.train.trainer  # noqa: F401
-    from moe_platform.launch import cli
 
-    _compose_once(cli)
+    _compose_once()
     results = run_cases(cases, out_dir, parallel=min(2, os.cpu_count() or 1))
     Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
 
 
-def _compose_once(cli) -> None:
+def _compose_once() -> None:
     """One composition here warms what every child would build again (override and interpolation grammars,
-    schema caches); Hydra's global state is cleared again on leaving `initialize_config_dir`."""
-    from hydra import compose, initialize_config_dir
+    schema caches); compose_train puts Hydra's global state back as it found it."""
+    from moe_platform.launch.compose import compose_train
 
-    cli.register_configs()
-    with initialize_config_dir(config_dir=cli.CONF_DIR, version_base=None):
-        compose("train", overrides=["trainer.max_steps=3", "hydra.run.dir=."], return_hydra_config=True)
+    compose_train(["trainer.max_steps=3", "hydra.run.dir=."], with_hydra=True)
 
 
 if __name__ == "__main__":

@@ -578,6 +578,6 @@ def test_the_harness_answers_as_a_real_start_does(case_id: str, results: dict, t
 )
 def test_only_a_plain_run_is_composed_before_hydra(argv: list[str], composed_first: bool) -> None:
     """Help, --cfg, sweeps and other configs are Hydra's to answer, exactly as before."""
-    from moe_platform.launch.cli import _plain_run_overrides
+    from moe_platform.launch.compose import plain_run
 
-    assert (_plain_run_overrides(argv) is not None) == composed_first
+    assert (plain_run(argv) is not None) == composed_first

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -17,13 +16,11 @@ from moe_platform.config import (
     OptimConfig,
     TrainConfig,
     load_run_config,
-    to_train_config,
     validate_launch,
 )
-from moe_platform.launch.cli import CONF_DIR, register_configs
+from moe_platform.launch.compose import conf_dir, train_config
 from moe_platform.parallel.accelerator import deepspeed_config
 
-register_configs()
 GROUPS = ("model", "data", "optim", "distributed", "logging", "experiment")
 # Overrides that make an option runnable beside the defaults of the other groups.
 COMPANIONS = {
@@ -32,12 +29,11 @@ COMPANIONS = {
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
 def compose_config(overrides: list[str]) -> TrainConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_train_config(compose("train", overrides=overrides))
+    return train_config(overrides)
 
 
 def fitting_world_size(config: TrainConfig) -> int:

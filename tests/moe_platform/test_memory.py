@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from moe import ModelConfig
 from moe.ledger import training_state_bytes
 from moe_platform.config import ConfigError, DistributedConfig, TrainConfig, TrainerConfig
-from moe_platform.launch.cli import CONF_DIR
+from moe_platform.launch.compose import conf_dir
 from moe_platform.launch.memory import Memory, check_training_state_fits
 from moe_platform.testing import BIN, subprocess_env
 
@@ -19,7 +19,7 @@ GB = 1e9
 
 
 def preset(model: str, strategy: str = "single", zero_stage: int = 0, precision: str = "fp32", **dist) -> TrainConfig:
-    yaml = OmegaConf.load(Path(CONF_DIR) / "model" / f"{model}.yaml")
+    yaml = OmegaConf.load(conf_dir() / "model" / f"{model}.yaml")
     model_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), yaml))
     return TrainConfig(
         model=model_config,

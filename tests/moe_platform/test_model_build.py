@@ -12,26 +12,23 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from moe import Transformer
-from moe_platform.config import TrainConfig, to_train_config, validate_launch
-from moe_platform.launch.cli import CONF_DIR, register_configs
+from moe_platform.config import TrainConfig, validate_launch
+from moe_platform.launch.compose import train_config
 from moe_platform.testing import FAST, run_distributed
 from moe_platform.train.model_build import build_model, full_shape
 from moe_platform.train.seeding import seed_initial_weights
 from moe_platform.train.trainer import optimizer_param_groups
 
 pytestmark = pytest.mark.slow
-register_configs()
 WORLD = 2
 ZERO3_VARIANTS = ("moe_tiny", "tied_shared_dense", "moe_tiny_bf16")
 OTHER_STRATEGIES = ("ddp", "zero1", "zero2")
 
 
 def compose_config(*overrides: str) -> TrainConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return to_train_config(compose("train", overrides=[*FAST, "trainer.seed=3", *overrides]))
+    return train_config([*FAST, "trainer.seed=3", *overrides])
 
 
 def zero3_variants() -> dict[str, TrainConfig]:

@@ -5,11 +5,10 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from moe_platform.config import load_run_config
-from moe_platform.launch.cli import CONF_DIR, register_configs
+from moe_platform.launch.compose import compose_train
 from moe_platform.redact import REDACTED, is_secret_name, redact, redacted_yaml, secret_values
 from moe_platform.testing import finished_wandb_files, moe_train
 
@@ -55,12 +54,8 @@ def test_redact_replaces_secret_keys_known_values_and_override_values():
 
 def test_resolved_config_hides_env_secrets_and_leaves_a_clean_config_unchanged(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_EnvSecretForInterpolation")
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        clean = compose("train", overrides=["logging=all", "data=hf_hub"])
-        with_env = compose(
-            "train", overrides=["data=hf_hub", "+data.hf.load_kwargs.token=${oc.env:HF_TOKEN}", "logging.wandb_group=x"]
-        )
+    clean = compose_train(["logging=all", "data=hf_hub"])
+    with_env = compose_train(["data=hf_hub", "+data.hf.load_kwargs.token=${oc.env:HF_TOKEN}", "logging.wandb_group=x"])
     assert redacted_yaml(clean) == OmegaConf.to_yaml(clean, resolve=True)
     text = redacted_yaml(with_env)
     assert "hf_EnvSecretForInterpolation" not in text and f"token: {REDACTED}" in text

@@ -80,14 +80,11 @@ def test_every_process_group_waits_the_configured_timeout() -> None:
     new_group() its own default (30 min on gloo), not the default group's timeout (parallel/accelerator.py)."""
     script = """
 import os, torch, torch.distributed as dist
-from hydra import compose, initialize_config_dir
-from moe_platform.launch.cli import CONF_DIR, register_configs
-from moe_platform.config import to_train_config, validate_launch
+from moe_platform.launch.compose import train_config
+from moe_platform.config import validate_launch
 from moe_platform.parallel.accelerator import build_accelerator
 from moe_platform.testing import FAST
-register_configs()
-with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-    config = to_train_config(compose("train", overrides=[*FAST, "distributed=zero2", "distributed.timeout_s=17"]))
+config = train_config([*FAST, "distributed=zero2", "distributed.timeout_s=17"])
 build_accelerator(config, validate_launch(config, 1, has_gpu=False), 1)  # a lone DeepSpeed rank has a group too
 groups = [dist.distributed_c10d._get_default_group(), dist.new_group([0])]
 print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups], flush=True)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from moe_platform.launch.submit import TEMPLATE, job_shape, main, sbatch_option, template_options
+from moe_platform.launch.submit import LAUNCHER, TEMPLATE, job_shape, main, sbatch_option, template_options
 
 
 def sbatch_lines(script: Path) -> list[str]:
@@ -24,3 +24,12 @@ def test_options_in_every_spelling_reach_the_rendered_script_whole(tmp_path: Pat
 
 def test_the_template_itself_is_a_two_node_job() -> None:
     assert job_shape(template_options(TEMPLATE.read_text())) == (2, 0)
+
+
+def test_the_rendered_job_starts_the_launcher_this_install_ships(tmp_path: Path) -> None:
+    """From a wheel the template lies in site-packages: the job names its launcher by path, not by a checkout."""
+    run_dir = tmp_path / "run"
+    main(["--nodes=1", "--dry-run", "--", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"])
+    script = (run_dir / "train.sbatch").read_text()
+    assert f"MOE_LAUNCH={LAUNCHER}\n" in script and LAUNCHER.parent == TEMPLATE.parent
+    assert 'srun --kill-on-bad-exit=1 bash "$MOE_LAUNCH"' in script
