@@ -1,6 +1,7 @@
 """Test helpers, importable so that tests in any folder share them:
 * `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
 * `start_moe_train`, `wait_for_logged_step`, `worker_pids` act on a run while it trains (signals, preemption);
+* `assert_resumes_exactly` states the resume property (every step once, the uninterrupted run's losses) for `Job`s;
 * `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1;
 * `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them;
 * `first_batch_loss` / `lm_loss_on_the_first_batch`: the loss a run's step 1 should log, computed outside it."""
@@ -8,6 +9,7 @@
 import importlib.util
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -42,6 +44,15 @@ FAST = [
     "logging.progress_bar=false",
     "logging.peak_memory=false",  # its profiled step costs ~0.5 s per run; test_training_options checks it
     "logging.peak_tflops=1.0",
+]
+# The expert-parallel tests' runs (20 steps): capacity drops (a factor of 1 leaves no slack) and the aux-loss-free
+# bias, the parts EP must not change.
+ROUTING = [
+    "trainer.max_steps=20",
+    "model.moe.capacity_factor=1.0",
+    "model.moe.min_capacity=1",
+    "model.moe.router.bias_update_rate=0.001",
+    "data.global_batch_size=16",
 ]
 
 
@@ -134,23 +145,83 @@ def finish(process: subprocess.Popen, timeout: float = 180.0) -> int:
         raise
 
 
-def assert_stopped_once_and_resumes_exactly(run_dir: Path, reference: Path, *overrides: str, nproc: int) -> int:
-    """The interrupted run holds one complete checkpoint at the step it stopped; after resume=auto (with `overrides`,
-    those of both runs) every step is in metrics.jsonl exactly once and the losses equal the uninterrupted
-    `reference` run's, bit for bit. Returns the step it stopped at."""
+class Job:
+    """One `moe-train` start of a run, beyond FAST and the run dir: its overrides, its ranks and launcher (as for
+    `moe_train`), and the step it stops at (trainer.stop_at) when it ends before trainer.max_steps."""
+
+    def __init__(self, *overrides: str, nproc: int = 1, launcher: str | None = None, stop_at: int | None = None):
+        self.overrides, self.nproc, self.launcher, self.stop_at = overrides, nproc, launcher, stop_at
+
+    def run(self, run_dir: Path, *extra: str, **kwargs: Any) -> subprocess.CompletedProcess:
+        stop = () if self.stop_at is None else (f"trainer.stop_at={self.stop_at}",)
+        return moe_train(run_dir, *self.overrides, *stop, *extra, nproc=self.nproc, launcher=self.launcher, **kwargs)
+
+    def __repr__(self) -> str:
+        stop = "" if self.stop_at is None else f", stop_at={self.stop_at}"
+        return f"Job({', '.join(self.overrides)}, nproc={self.nproc}{stop})"
+
+
+EXACT = None  # a tolerance of `assert_resumes_exactly`'s `match`: equal bit for bit
+
+
+def assert_resumes_exactly(
+    run_dir: Path,
+    reference: Path,
+    *jobs: Job,
+    match: dict[str, tuple[float, float] | None] | None = None,
+    weights: bool = False,
+) -> list[int]:
+    """The resume property, for every test of it: a run stopped (trainer.stop_at, a signal, a kill) and continued
+    with resume=auto, at the same or another world size, ZeRO layout or EP size, trains as if never interrupted.
+
+    `run_dir` has stopped; each of `jobs` continues it with resume=auto. Before each, the run has stopped at the last
+    step it logged, before the end, with a complete checkpoint of that step (its newest) and no preemption request
+    left; a job with `stop_at` stops there. At the end every step of the uninterrupted `reference` run is in
+    metrics.jsonl exactly once, and each key of `match` (default: the loss) equals the reference's at every step:
+    bit for bit (EXACT), as it must where the layout is unchanged, or within the (rel, abs) tolerance a case documents
+    where only the order of floating-point reductions changed. `weights`: both runs' last checkpoints also hold
+    bit-identical consolidated weights and the same trainer state (step, tokens seen, data position, NaN counters).
+    With no `jobs` the run has been resumed already (after a kill, a damaged checkpoint) and only the end is checked.
+    Returns the step the run had stopped at before each job. The runs log every step (FAST's trainer.log_every=1)."""
+    from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname, step_of
     from moe_platform.train.preemption import REQUEST_FILE
 
-    steps = max(metric_steps(reference))
-    stopped_at = max(metric_steps(run_dir))
-    assert stopped_at < steps, "the signal arrived too late to interrupt the run"
-    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
-    assert not (run_dir / REQUEST_FILE).exists(), "the request was cleared"
-    moe_train(run_dir, *overrides, "resume=auto", nproc=nproc)
-    assert metric_steps(run_dir) == list(range(1, steps + 1))
-    resumed, _ = read_metrics(run_dir)
-    straight, _ = read_metrics(reference)
-    assert [resumed[s]["loss"] for s in range(1, steps + 1)] == [straight[s]["loss"] for s in range(1, steps + 1)]
-    return stopped_at
+    steps = list(range(1, max(metric_steps(reference)) + 1))
+    stops = []
+    for job in jobs:
+        stopped = max(metric_steps(run_dir))
+        assert stopped < steps[-1], f"the run went on to step {stopped} of {steps[-1]}: it was not interrupted"
+        newest = latest_checkpoint(run_dir)
+        assert newest is not None and step_of(newest) == stopped, (
+            f"step {stopped} was logged, the newest checkpoint is {newest}"
+        )
+        assert not (run_dir / REQUEST_FILE).exists(), "the preemption request was cleared"
+        stops.append(stopped)
+        job.run(run_dir, "resume=auto")
+        if job.stop_at is not None:
+            assert max(metric_steps(run_dir)) == job.stop_at, f"{job} stopped at step {max(metric_steps(run_dir))}"
+    assert metric_steps(run_dir) == steps, "every step is logged exactly once"
+    resumed, uninterrupted = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    for key, tolerance in (match or {"loss": EXACT}).items():
+        for step in steps:
+            got, want = resumed[step][key], uninterrupted[step][key]
+            rel, abs_ = (0.0, 0.0) if tolerance is EXACT else tolerance
+            same = got == want if tolerance is EXACT else math.isclose(got, want, rel_tol=rel, abs_tol=abs_)
+            assert same, (
+                f"step {step}, {key}: {got!r} after the resume, {want!r} uninterrupted (rel, abs: {rel}, {abs_})"
+            )
+    if weights:
+        import torch
+
+        from moe_platform.checkpoint.checkpointer import TRAINER_STATE
+        from moe_platform.checkpoint.consolidate import export_fp32_state_dict
+
+        last = [Path(run) / "checkpoints" / step_dirname(steps[-1]) for run in (run_dir, reference)]
+        ours, theirs = (export_fp32_state_dict(checkpoint) for checkpoint in last)
+        assert ours.keys() == theirs.keys()
+        assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == [], "weights that differ"
+        assert json.loads((last[0] / TRAINER_STATE).read_text()) == json.loads((last[1] / TRAINER_STATE).read_text())
+    return stops
 
 
 def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[str]:

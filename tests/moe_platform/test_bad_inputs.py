@@ -541,9 +541,23 @@ def test_a_refused_start_leaves_a_run_dir_it_did_not_make_as_it_was(case: Case, 
     assert result["after"] == result["before"]
 
 
-def test_the_corpus_is_as_large_as_the_issue_asks() -> None:
-    assert len(CONFIG_CASES) >= 30 and len(DATA_CASES) >= 10
+def test_no_case_repeats_another_refusal_by_the_same_path(results: dict) -> None:
+    """Each case checks something no other case does: cases refused in the same sentence differ in the way the start
+    is made (the launch environment: one rank or several; the run directory: Hydra's default, a new one, one that
+    holds a previous run), so a case that only repeats another's refusal, costing a fork and checking nothing more,
+    is caught. Each id is its own too: the results are looked up by it."""
     assert len({case.id for case in ALL_CASES}) == len(ALL_CASES)
+    by_sentence: dict[str, list[Case]] = {}
+    for case in ALL_CASES:
+        by_sentence.setdefault(results[case.id]["stderr"].strip(), []).append(case)
+    for sentence, cases in by_sentence.items():
+        paths = {(tuple(sorted(case.env.items())), case.run_dir, run_dir_files(case)) for case in cases}
+        assert len(paths) == len(cases), f"{[case.id for case in cases]} are all refused the same way: {sentence}"
+
+
+def run_dir_files(case: Case) -> tuple[str, ...]:
+    """What the case puts in its run directory before the start."""
+    return tuple(sorted(name for name in case.files if case.run_dir and name.startswith(f"{case.run_dir}/")))
 
 
 @pytest.mark.parametrize("case_id", ["global_batch_vs_micro_times_ranks", "non_utf8_row"])

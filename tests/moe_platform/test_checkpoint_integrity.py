@@ -16,7 +16,7 @@ from moe_platform.checkpoint import manifest
 from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname
 from moe_platform.checkpoint.consolidate import export_fp32_state_dict, verify_checkpoint
 from moe_platform.checkpoint.errors import CheckpointError
-from moe_platform.testing import metric_steps, moe_train, read_metrics
+from moe_platform.testing import assert_resumes_exactly, metric_steps, moe_train
 
 STEPS = 6
 SAVING = [f"trainer.max_steps={STEPS}", "trainer.save_every=2", "trainer.keep_last=3", "trainer.save_final=true"]
@@ -53,16 +53,6 @@ def stopped_at_4(tmp_path: Path, stopped: Path):
     return copy
 
 
-def assert_recovered_exactly(run_dir: Path, straight: Path) -> None:
-    """Every step once in metrics.jsonl, each loss and the final weights bit-identical to the uninterrupted run."""
-    assert metric_steps(run_dir) == list(range(1, STEPS + 1))
-    ours, _ = read_metrics(run_dir)
-    theirs, _ = read_metrics(straight)
-    assert [ours[s]["loss"] for s in range(1, STEPS + 1)] == [theirs[s]["loss"] for s in range(1, STEPS + 1)]
-    a, b = export_fp32_state_dict(checkpoint(run_dir, STEPS)), export_fp32_state_dict(checkpoint(straight, STEPS))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_the_manifest_lists_every_file_with_its_size_and_checksum(straight: Path) -> None:
     path = checkpoint(straight, 4)
     saved = json.loads((path / manifest.MANIFEST).read_text())
@@ -84,7 +74,7 @@ def test_resume_finds_the_newest_checkpoint_on_disk_not_by_the_pointer(
     (run_dir / "checkpoints" / "latest").write_text(step_dirname(2))
     assert latest_checkpoint(run_dir) == checkpoint(run_dir, 4)
     moe_train(run_dir, *SAVING, "resume=auto")
-    assert_recovered_exactly(run_dir, straight)
+    assert_resumes_exactly(run_dir, straight, weights=True)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte"])  # found by size before a process group; by checksum
@@ -106,7 +96,7 @@ def test_a_damaged_newest_checkpoint_is_passed_over_for_the_previous_one(
     assert len(reported) == 1, output[-3000:]  # one line naming the checkpoint and the damaged file
     assert step_dirname(4) in reported[0] and target.name in reported[0]
     assert f"resumed from {checkpoint(run_dir, 2)} at step 2" in output
-    assert_recovered_exactly(run_dir, straight)
+    assert_resumes_exactly(run_dir, straight, weights=True)
     # The damaged one is set aside, not deleted: nothing is lost.
     assert (run_dir / "checkpoints" / "abandoned" / step_dirname(4) / target.name).exists()
 
@@ -164,7 +154,7 @@ def test_a_malicious_pickle_is_refused_before_anything_executes(
     assert not marker.exists(), "the pickle's code ran"
     why = "would call posix.system" if fix_manifest else "differs from the checksum"
     assert why in result.stderr + result.stdout
-    assert_recovered_exactly(run_dir, straight)
+    assert_resumes_exactly(run_dir, straight, weights=True)
     assert not marker.exists()
 
 
@@ -197,7 +187,7 @@ def test_a_transient_io_error_while_saving_is_retried(tmp_path: Path, straight: 
     result = moe_train(tmp_path, *SAVING, "trainer.save_retries=2", env=faults)
     assert "retry 2 of 2" in result.stderr + result.stdout
     verify_checkpoint(checkpoint(tmp_path, 4))
-    assert_recovered_exactly(tmp_path, straight)
+    assert_resumes_exactly(tmp_path, straight, weights=True)
 
 
 def test_a_lasting_io_error_stops_the_run_with_the_previous_checkpoint_intact(tmp_path: Path) -> None:
@@ -214,15 +204,25 @@ def test_a_lasting_io_error_stops_the_run_with_the_previous_checkpoint_intact(tm
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A tmpfs of a given size mounted at RUN_DIR/checkpoints (root, as here and in CI, may mount one)."""
+    """A tmpfs of a given size mounted at RUN_DIR/checkpoints, a disk that really fills up (ENOSPC; RLIMIT_FSIZE
+    would fail writes with EFBIG instead, and leave the free space the pre-save check reads untouched). Mounting
+    needs root (CAP_SYS_ADMIN): without it the tests are skipped, or fail where MOE_TMPFS_REQUIRED=1 (CI, .ci/run)."""
     mounts = []
 
     def mount(run_dir: Path, size_kib: int) -> Path:
         target = run_dir / "checkpoints"
         target.mkdir(parents=True)
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(target)])
-        if result.returncode != 0:
-            pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN); CI runs as root")
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(target)]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True)
+            why = (result.stderr or result.stdout).strip() or f"exit {result.returncode}"
+        except FileNotFoundError:
+            result, why = None, "no mount command"
+        if result is None or result.returncode != 0:
+            reason = f"mounting a {size_kib} KiB tmpfs needs root (CAP_SYS_ADMIN): {' '.join(command)}: {why}"
+            if os.environ.get("MOE_TMPFS_REQUIRED") == "1":
+                pytest.fail(f"MOE_TMPFS_REQUIRED=1 but {reason}", pytrace=False)
+            pytest.skip(f"{reason} (CI sets MOE_TMPFS_REQUIRED=1 and fails here)")
         mounts.append(target)
         return target
 

@@ -1,8 +1,9 @@
-"""Real multi-process runs: torchrun starts 2 gloo processes on 127.0.0.1, each a real Accelerate/DeepSpeed rank.
+"""Real multi-process runs: 2 gloo processes on 127.0.0.1, each a real Accelerate/DeepSpeed rank, started the ways a
+user starts them (torchrun, accelerate launch, slurm/launch.sh once per node).
 
 Each strategy must reproduce the single-process losses (same global batches, same initial weights; only the
 order of floating-point reductions differs), and ZeRO must really shard: the optimizer state each rank holds is
-measured from the optimizer itself.
+measured from the optimizer itself. (Stopping and resuming, on this or another world size: test_resume.py.)
 """
 
 import subprocess
@@ -25,6 +26,50 @@ def single_process_run(tmp_path_factory) -> tuple[dict, dict]:
     return read_metrics(run_dir)
 
 
+# Each strategy's 2-rank run, started once for the tests that check it, each by one of the ways to start ranks:
+# DDP by slurm/launch.sh on two loopback "nodes", ZeRO-2 by accelerate launch, the others by torchrun.
+LAUNCHER = {"ddp": "slurm/launch.sh", "zero1": "torchrun", "zero2": "accelerate", "zero3": "torchrun"}
+
+
+def launch_two_nodes(run_dir: Path, *overrides: str) -> tuple[str, str]:
+    """slurm/launch.sh from MASTER_ADDR/MASTER_PORT/NNODES/NODE_RANK, one launcher per "node" of one process each;
+    returns each node's output."""
+    env = {
+        **subprocess_env(),
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2", "NPROC_PER_NODE": "1"},
+        "MOE_BIN": str(BIN),
+    }
+    args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    logs = [run_dir.parent / f"node{rank}.log" for rank in (0, 1)]  # files, not pipes: a full pipe would stall a rank
+    launchers = []
+    for rank, log in enumerate(logs):
+        with log.open("w") as out:
+            node_env = {**env, "NODE_RANK": str(rank)}
+            launchers.append(subprocess.Popen([str(LAUNCH), *args], env=node_env, stdout=out, stderr=subprocess.STDOUT))
+    for launcher, log in zip(launchers, logs, strict=True):
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+    return logs[0].read_text(), logs[1].read_text()
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """(run dir, what each launcher printed) of a strategy's 2-rank run, started the first time a test asks."""
+    runs: dict[str, tuple[Path, tuple[str, ...]]] = {}
+
+    def run(strategy: str) -> tuple[Path, tuple[str, ...]]:
+        if strategy not in runs:
+            run_dir = tmp_path_factory.mktemp(strategy) / "run"
+            if LAUNCHER[strategy] == "slurm/launch.sh":  # with the final checkpoint the run-dir test looks into
+                printed = launch_two_nodes(run_dir, f"distributed={strategy}", "trainer.save_final=true")
+            else:
+                result = moe_train(run_dir, f"distributed={strategy}", nproc=2, launcher=LAUNCHER[strategy])
+                printed = (result.stdout,)
+            runs[strategy] = (run_dir, printed)
+        return runs[strategy]
+
+    return run
+
+
 @pytest.mark.parametrize(
     ("strategy", "engine", "wrapper"),
     [
@@ -33,13 +78,14 @@ def single_process_run(tmp_path_factory) -> tuple[dict, dict]:
         ("zero2", "DEEPSPEED", "DeepSpeedEngine"),
         ("zero3", "DEEPSPEED", "DeepSpeedEngine"),
     ],
+    ids=lambda value: f"{value} by {Path(LAUNCHER[value]).name}" if value in LAUNCHER else None,
 )
 def test_two_ranks_reproduce_the_single_process_losses(
-    tmp_path: Path, single_process_run, strategy: str, engine: str, wrapper: str
+    two_rank_run, single_process_run, strategy: str, engine: str, wrapper: str
 ) -> None:
-    result = moe_train(tmp_path, f"distributed={strategy}", nproc=2)
-    assert f"2 rank(s), {engine}, model wrapped as {wrapper}" in result.stdout, "two ranks, the requested engine"
-    train, _ = read_metrics(tmp_path)
+    run_dir, printed = two_rank_run(strategy)
+    assert f"2 rank(s), {engine}, model wrapped as {wrapper}" in printed[0], "two ranks, the requested engine"
+    train, _ = read_metrics(run_dir)
     single, _ = single_process_run
     for step in STEPS:
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
@@ -86,38 +132,12 @@ def test_global_aux_scope_on_two_ranks_equals_one_process_on_their_pooled_micro_
             assert two[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
-def test_two_node_launchers_on_loopback_form_one_job_without_slurm(tmp_path: Path, single_process_run) -> None:
-    """slurm/launch.sh from MASTER_ADDR/MASTER_PORT/NNODES/NODE_RANK, one launcher per "node": node ranks 0 and 1
-    join one process group of world size 2 and train like one process."""
-    env = {
-        **subprocess_env(),
-        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2", "NPROC_PER_NODE": "1"},
-        "MOE_BIN": str(BIN),
-    }
-    args = [*FAST, "distributed=ddp", f"hydra.run.dir={tmp_path / 'run'}"]
-    logs = [tmp_path / f"node{rank}.log" for rank in (0, 1)]  # files, not pipes: a full pipe would stall a rank
-    launchers = []
-    for rank, log in enumerate(logs):
-        with log.open("w") as out:
-            node_env = {**env, "NODE_RANK": str(rank)}
-            launchers.append(subprocess.Popen([str(LAUNCH), *args], env=node_env, stdout=out, stderr=subprocess.STDOUT))
-    for launcher, log in zip(launchers, logs, strict=True):
-        assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
-    assert "launch: node 0/2" in logs[0].read_text() and "launch: node 1/2" in logs[1].read_text()
-    assert "2 rank(s), MULTI_CPU, model wrapped as DistributedDataParallel" in logs[0].read_text()
-    train, _ = read_metrics(tmp_path / "run")
-    single, _ = single_process_run
-    for step in STEPS:
-        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
-
-
-def test_accelerate_launch_starts_real_ranks_too(tmp_path: Path, single_process_run) -> None:
-    result = moe_train(tmp_path, "distributed=zero2", nproc=2, launcher="accelerate")
-    assert "2 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
-    train, _ = read_metrics(tmp_path)
-    single, _ = single_process_run
-    for step in STEPS:
-        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
+def test_two_node_launchers_on_loopback_form_one_job_without_slurm(two_rank_run) -> None:
+    """slurm/launch.sh on each "node": node ranks 0 and 1 join one process group of world size 2, the DDP run whose
+    losses test_two_ranks_reproduce_the_single_process_losses checks."""
+    _, (node0, node1) = two_rank_run("ddp")
+    assert "launch: node 0/2" in node0 and "launch: node 1/2" in node1
+    assert "2 rank(s), MULTI_CPU, model wrapped as DistributedDataParallel" in node0
 
 
 def test_bf16_zero2_trains_close_to_fp32(tmp_path: Path, single_process_run) -> None:
@@ -128,45 +148,8 @@ def test_bf16_zero2_trains_close_to_fp32(tmp_path: Path, single_process_run) -> 
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=2e-2), step
 
 
-def test_run_dir_is_shared_and_only_rank_zero_writes(tmp_path: Path) -> None:
-    moe_train(tmp_path, "distributed=ddp", "trainer.save_final=true", nproc=2)
-    train, _ = read_metrics(tmp_path)
+def test_run_dir_is_shared_and_only_rank_zero_writes(two_rank_run) -> None:
+    run_dir, _ = two_rank_run("ddp")
+    train, _ = read_metrics(run_dir)
     assert sorted(train) == list(STEPS), "one record per step: rank 1 wrote nothing"
-    assert (tmp_path / "checkpoints" / "step_00000006" / "random_states_1.pkl").is_file()
-
-
-def test_resume_on_a_different_world_size_continues_the_same_samples(tmp_path: Path, single_process_run) -> None:
-    """Three steps on 2 DDP ranks, then resume on 1 process: the losses continue as if nothing happened."""
-    moe_train(tmp_path, "distributed=ddp", "trainer.stop_at=3", nproc=2)
-    moe_train(tmp_path, "resume=auto")
-    train, _ = read_metrics(tmp_path)
-    single, _ = single_process_run
-    for step in STEPS:
-        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
-
-
-# A ZeRO-2 run stopped and resumed on the same world size: test_deepseek_v3_training.py (bit-identical losses, the
-# router's balancing bias restored), on the richest model the platform trains.
-
-
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_zero_shards_resume_on_another_world_size(tmp_path: Path, single_process_run, strategy: str) -> None:
-    """Three steps on 2 ZeRO ranks, then 3 more on 1: the shards go through DeepSpeed's universal checkpoint and
-    the losses continue those of the uninterrupted single-process run."""
-    moe_train(tmp_path, f"distributed={strategy}", "trainer.stop_at=3", nproc=2)
-    moe_train(tmp_path, f"distributed={strategy}", "resume=auto", nproc=1, launcher="torchrun")
-    assert (tmp_path / "checkpoints" / "step_00000003" / "universal").is_dir()
-    train, _ = read_metrics(tmp_path)
-    single, _ = single_process_run
-    for step in STEPS:
-        assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
-
-
-def test_zero_checkpoint_refuses_another_stage_and_zero3_another_world_size(tmp_path: Path) -> None:
-    zero2, zero3 = tmp_path / "zero2", tmp_path / "zero3"
-    moe_train(zero2, "distributed=zero2", "trainer.stop_at=3", nproc=2)
-    with pytest.raises(AssertionError, match="holds ZeRO-2 state but this job runs ZeRO-1"):
-        moe_train(zero2, "distributed=zero1", "resume=auto", nproc=2)
-    moe_train(zero3, "distributed=zero3", "trainer.stop_at=3", nproc=2)
-    with pytest.raises(AssertionError, match="ZeRO-3 resumes on the same world size only"):
-        moe_train(zero3, "distributed=zero3", "resume=auto", nproc=1, launcher="torchrun")
+    assert (run_dir / "checkpoints" / "step_00000006" / "random_states_1.pkl").is_file()

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from moe_platform.testing import (
-    assert_stopped_once_and_resumes_exactly,
+    Job,
+    assert_resumes_exactly,
     finish,
     metric_steps,
-    moe_train,
     start_moe_train,
     wait_for_logged_step,
     worker_pids,
@@ -21,14 +21,15 @@ from moe_platform.train.preemption import REQUEST_FILE
 pytestmark = pytest.mark.slow
 STEPS = 20
 LONG = [f"trainer.max_steps={STEPS}", "trainer.save_final=true"]
+SINGLE, ZERO2 = Job(*LONG), Job(*LONG, "distributed=zero2", nproc=2)  # each run, and the job that resumes it
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict[str, Path]:
     runs = {}
-    for name, overrides, nproc in (("single", [], 1), ("zero2", ["distributed=zero2"], 2)):
+    for name, job in (("single", SINGLE), ("zero2", ZERO2)):
         runs[name] = tmp_path_factory.mktemp(name)
-        moe_train(runs[name], *LONG, *overrides, nproc=nproc)
+        job.run(runs[name])
     return runs
 
 
@@ -43,19 +44,17 @@ def test_a_signal_stops_one_process_after_a_checkpoint_and_resume_is_exact(tmp_p
     log = (tmp_path / "run.log").read_text()
     assert f"{signum.name}: stopping after this step with a checkpoint (send {signum.name} again" in log
     assert f"({signum.name}); checkpoint" in log and "continue with resume=auto" in log
-    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["single"], *LONG, nproc=1)
+    assert_resumes_exactly(run_dir, uninterrupted["single"], SINGLE, weights=True)
 
 
 def test_a_signal_to_one_zero_rank_stops_both_at_the_same_step(tmp_path, uninterrupted) -> None:
     """Only rank 1 is told; the all-reduced flag stops rank 0 too, and both write their ZeRO-2 shards."""
     run_dir = tmp_path / "run"
-    launcher = start_moe_train(run_dir, *LONG, "distributed=zero2", nproc=2)
+    launcher = start_moe_train(run_dir, *ZERO2.overrides, nproc=ZERO2.nproc)
     wait_for_logged_step(run_dir, 3, launcher)
     os.kill(worker_pids(launcher)[1], signal.SIGUSR1)
     assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
-    stopped_at = assert_stopped_once_and_resumes_exactly(
-        run_dir, uninterrupted["zero2"], *LONG, "distributed=zero2", nproc=2
-    )
+    (stopped_at,) = assert_resumes_exactly(run_dir, uninterrupted["zero2"], ZERO2, weights=True)
     shards = run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "pytorch_model"
     for rank in (0, 1):  # each rank saved its own shard of the optimizer state at the same step
         assert (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
@@ -64,12 +63,12 @@ def test_a_signal_to_one_zero_rank_stops_both_at_the_same_step(tmp_path, uninter
 def test_the_request_file_of_the_batch_shell_stops_every_rank(tmp_path, uninterrupted) -> None:
     """slurm/train.sbatch's trap writes RUN_DIR/.preempt when `--signal=B:USR1` reaches the batch shell."""
     run_dir = tmp_path / "run"
-    launcher = start_moe_train(run_dir, *LONG, "distributed=zero2", nproc=2)
+    launcher = start_moe_train(run_dir, *ZERO2.overrides, nproc=ZERO2.nproc)
     wait_for_logged_step(run_dir, 3, launcher)
     (run_dir / REQUEST_FILE).touch()
     assert finish(launcher) == 0, (tmp_path / "run.log").read_text()[-3000:]
     assert f"({REQUEST_FILE} request)" in (tmp_path / "run.log").read_text()
-    assert_stopped_once_and_resumes_exactly(run_dir, uninterrupted["zero2"], *LONG, "distributed=zero2", nproc=2)
+    assert_resumes_exactly(run_dir, uninterrupted["zero2"], ZERO2, weights=True)
 
 
 def test_past_the_last_allowed_requeue_the_job_stops_with_a_message(tmp_path) -> None:

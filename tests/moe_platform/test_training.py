@@ -1,4 +1,5 @@
-"""Single-process training through the real CLI: it learns, it logs, it resumes exactly, it exports."""
+"""Single-process training through the real CLI: it learns, it logs, it exports. (It resumes exactly, the wandb run
+included: test_resume.py.)"""
 
 import math
 import subprocess
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 
 from data_pipeline import build_loaders
 from moe_platform.checkpoint.catalog import latest_checkpoint
-from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.interop.export import load_checkpoint_config, load_exported_model
 from moe_platform.testing import BIN, moe_train, read_metrics, subprocess_env
 
@@ -63,22 +63,6 @@ def test_capacity_drops_are_counted_after_summing_micro_batches(tmp_path: Path) 
     for layer in range(4):
         drop = train[2][f"moe/layer_{layer}/drop_frac"]
         assert 0.5 - 1e-9 <= drop < 1.0, "capacity 0.5 keeps at most half of the assignments"
-
-
-def test_resume_is_exact(tmp_path: Path) -> None:
-    """Six steps straight == three steps, stop, resume=auto, three more: same loss at every step, same weights."""
-    straight, sliced = tmp_path / "straight", tmp_path / "sliced"
-    moe_train(straight, "trainer.save_final=true")
-    moe_train(sliced, "trainer.stop_at=3")
-    assert latest_checkpoint(sliced).name == "step_00000003"
-    moe_train(sliced, "trainer.save_final=true", "resume=auto")
-    straight_train, _ = read_metrics(straight)
-    sliced_train, _ = read_metrics(sliced)
-    assert [straight_train[s]["loss"] for s in range(1, 7)] == [sliced_train[s]["loss"] for s in range(1, 7)]
-    assert [straight_train[s]["grad_norm"] for s in range(1, 7)] == [sliced_train[s]["grad_norm"] for s in range(1, 7)]
-    a = export_fp32_state_dict(latest_checkpoint(straight))
-    b = export_fp32_state_dict(latest_checkpoint(sliced))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_keep_last_and_latest_pointer(tmp_path: Path) -> None:
@@ -140,11 +124,3 @@ def test_a_cpu_run_without_a_configured_peak_reports_flops_but_no_mfu(tmp_path: 
     assert "mfu" not in record, "a matmul probe is not a peak: no MFU on CPU"
     assert record["model_tflops_per_device"] > 0 and record["model_flops_vs_matmul_probe"] > 0
     assert "no MFU: a CPU has no datasheet peak; set logging.peak_tflops" in result.stdout
-
-
-def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:
-    moe_train(tmp_path, "logging=wandb", "trainer.max_steps=4", "trainer.stop_at=2")
-    moe_train(tmp_path, "logging=wandb", "trainer.max_steps=4", "resume=auto")
-    run_id = (tmp_path / "wandb_run_id").read_text().strip()
-    offline_runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
