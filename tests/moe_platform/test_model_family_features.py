@@ -3,7 +3,7 @@ the NaN guard naming an MLA sub-module, and `init.upcycle` from a dense MLA run.
 checked with these models in tests/moe/test_document_mask.py and test_attention_variants.py; activation
 checkpointing, expert parallelism and upcycling's exactness in tests/moe/test_checkpointing.py,
 tests/moe/test_expert_parallel.py and tests/moe_platform/test_upcycle.py; ZeRO-2 training and resume in
-test_deepseek_v3_training.py.)"""
+test_resume.py.)"""
 
 import dataclasses
 from pathlib import Path

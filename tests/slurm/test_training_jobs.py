@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from moe_platform.testing import BIN, FAST, metric_steps, moe_train, read_metrics, subprocess_env
+from moe_platform.testing import (
+    BIN,
+    FAST,
+    assert_resumes_exactly,
+    metric_steps,
+    moe_train,
+    read_metrics,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +144,4 @@ def test_usr1_checkpoints_requeues_and_resumes_with_every_step_once(slurm, tmp_p
     for rank in (0, 1):
         assert (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file(), rank
     assert slurm.job_info(job)["restarts"] in (1, None)  # None: only accounting still knows the job
-    assert metric_steps(run_dir) == list(range(1, steps + 1))
-    resumed, _ = read_metrics(run_dir)
-    uninterrupted, _ = read_metrics(straight)
-    assert [resumed[s]["loss"] for s in range(1, steps + 1)] == [uninterrupted[s]["loss"] for s in range(1, steps + 1)]
+    assert_resumes_exactly(run_dir, straight)  # the requeued job resumed already: every step once, equal losses
