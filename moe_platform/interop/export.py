@@ -3,7 +3,7 @@ transformers model directory that `AutoModelForCausalLM.from_pretrained(OUT)` lo
 
 ZeRO checkpoints hold each rank's shard of the flat fp32 master weights; DeepSpeed's zero_to_fp32 stitches them
 back together. The checkpoint's config.yaml tells which model to build, so the result is checked by loading it
-strictly before it is written. The HF format is exact or refused (see `moe_platform.interop.hf_convert`).
+strictly before it is written. The HF format is exact or refused (see `moe_platform.interop.hf`).
 """
 
 import argparse
@@ -37,11 +37,11 @@ def load_exported_model(checkpoint: Path) -> Transformer:
 def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> str:
     """Write the checkpoint as a transformers model directory: config.json, safetensors (sharded past
     `max_shard_size`), generation_config.json, and the run's tokenizer files when it used a HF tokenizer.
-    Returns the architecture name; raises hf_convert.ConversionError before writing anything it cannot represent."""
+    Returns the architecture name; raises hf.ConversionError before writing anything it cannot represent."""
     import transformers
 
     from data_pipeline.tokenizer import build_tokenizer
-    from moe_platform.interop.hf_convert import hf_architecture, to_hf
+    from moe_platform.interop.hf import hf_architecture, to_hf
 
     run_config = load_checkpoint_config(checkpoint)
     hf_architecture(run_config.model)  # refuse before consolidating a large checkpoint
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="hf only: largest safetensors shard")
     args = parser.parse_args(argv)
     if args.format == "hf":
-        from moe_platform.interop.hf_convert import ConversionError
+        from moe_platform.interop.hf import ConversionError
 
         try:
             arch = export_hf(args.checkpoint, args.output, args.max_shard_size)

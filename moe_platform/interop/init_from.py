@@ -5,12 +5,20 @@ load exactly; with `init.upcycle=true` the source is dense and `upcycle.py` turn
 Loading happens in `train/model_build.py`, after the model is built and before anything wraps or shards it: expert
 parallelism (`expert_parallel.attach`) slices the full experts afterwards, and under ZeRO-3 each parameter is
 gathered, filled and partitioned again.
+
+A Hugging Face directory is read in two steps (interop/hf/): `adopt_source_model` reads config.json alone, so the
+memory check that follows it runs before anything large is read; `initial_state_dict` then gives a lazy state
+dict, and `load_initial_weights` reads and converts one of our tensors at a time from the memory-mapped
+safetensors shards straight into the parameter it fills, and under expert parallelism only this rank's block of
+expert rows. Our checkpoints and .pt exports are read whole, as they always were, and so is the dense source of
+upcycling (its FFNs become every expert).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -21,6 +29,7 @@ from moe_platform.checkpoint.catalog import latest_checkpoint
 from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.config import ConfigError, TrainConfig, load_run_config
+from moe_platform.interop.hf import LazyStateDict, hf_model_config, read_hf_dir
 from moe_platform.interop.upcycle import upcycle_state_dict
 
 # Fields that shape no weight and change no loaded number, only how the run trains (or, max_seq_len, how far it
@@ -47,15 +56,15 @@ _FREE_FIELDS = (
 def adopt_source_model(cfg: DictConfig, overrides: list[str]) -> bool:
     """Read `model.*` from init.from_path's own config: unless the command line picks `model=...`, the run's model
     node becomes the source's (upcycling keeps the composed `model.moe`), and the command line's own `model.x=...`
-    overrides go back on top, for `check_same_model` (or upcycling's check) to judge. A .pt file has no config.
-    Returns whether `cfg.model` changed."""
+    overrides go back on top, for `check_same_model` (or upcycling's check) to judge. A .pt file has no config; a
+    Hugging Face directory's is its config.json, read alone (no weight). Returns whether `cfg.model` changed."""
     from_path = OmegaConf.select(cfg, "init.from_path")
     keys = [override.lstrip("+~").split("=", 1)[0] for override in overrides]
     if from_path is None or "model" in keys:
         return False
     path = _resolve(Path(from_path))
     if path.is_dir() and (path / "config.json").is_file():
-        source = OmegaConf.structured(_read_hf_dir(path)[0])
+        source = OmegaConf.structured(hf_model_config(path))
     elif path.is_dir() and (path / "config.yaml").is_file():
         source = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path / "config.yaml").model)
     else:
@@ -76,8 +85,9 @@ def _resolve(path: Path) -> Path:
     return path
 
 
-def initial_state_dict(config: TrainConfig) -> dict[str, torch.Tensor] | None:
-    """The fp32 state dict `Transformer(config.model)` starts from, or None for a random init."""
+def initial_state_dict(config: TrainConfig) -> Mapping[str, torch.Tensor] | None:
+    """The fp32 state dict `Transformer(config.model)` starts from, or None for a random init; for a Hugging Face
+    directory a LazyStateDict that reads each tensor only when `load_initial_weights` asks for it."""
     if config.init.from_path is None:
         return None
     source_config, state = read_source(Path(config.init.from_path), config)
@@ -87,11 +97,12 @@ def initial_state_dict(config: TrainConfig) -> dict[str, torch.Tensor] | None:
     return state
 
 
-def read_source(path: Path, config: TrainConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_source(path: Path, config: TrainConfig) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """(model config, fp32 state dict) of an init source; a bare .pt carries no config, so the run's is taken
-    (its dense twin when upcycling) and the strict load checks it."""
+    (its dense twin when upcycling) and the strict load checks it. A Hugging Face directory's state is lazy
+    (`hf.read_hf_dir`: refused now if ours cannot compute it exactly or a tensor is missing, read later)."""
     if path.is_dir() and (path / "config.json").is_file():
-        return _read_hf_dir(path)
+        return read_hf_dir(path)
     path = _resolve(path)
     if path.is_dir():
         if not (path / "config.yaml").is_file():
@@ -110,16 +121,6 @@ def read_source(path: Path, config: TrainConfig) -> tuple[ModelConfig, dict[str,
             source_config = dataclasses.replace(config.model, moe=None)
         return source_config, {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
     raise ConfigError(f"init.from_path={path} does not exist: give a checkpoint dir, a .pt file or a HF model dir")
-
-
-def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A transformers model dir through `hf_convert.from_hf`, which refuses what ours cannot compute exactly.
-    Loaded whole by transformers (shards, safetensors or .bin alike), in fp32, on the CPU of every rank; a
-    DeepSeek-V3 dir's MTP tensors are left out with a printed note (hf_convert's docstring)."""
-    from moe_platform.interop.hf_convert import from_hf
-
-    config, state = from_hf(path)
-    return config, {name: t.float() if t.is_floating_point() else t for name, t in state.items()}
 
 
 def check_same_model(source: ModelConfig, model: ModelConfig) -> None:
@@ -152,9 +153,17 @@ def _differences(ours, theirs, prefix: str):
 
 
 @torch.no_grad()
-def load_initial_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], partitioned: bool) -> None:
-    """Copy `state` into `model` exactly (strict: no key missing or extra, every shape equal). Partitioned (ZeRO-3)
-    parameters are gathered one at a time and partitioned again with the values every rank copied."""
+def load_initial_weights(
+    model: torch.nn.Module,
+    state: Mapping[str, torch.Tensor],
+    partitioned: bool,
+    local_experts: range | None = None,
+) -> None:
+    """Copy `state` into `model` exactly (strict: no key missing or extra, every shape equal), one tensor at a time.
+    Partitioned (ZeRO-3) parameters are gathered one at a time and partitioned again with the values every rank
+    copied. A LazyStateDict is read here, tensor by tensor, its experts one expert at a time; with `local_experts`
+    (this rank's block under expert parallelism) only those rows of each expert tensor are read and filled, since
+    `shard_experts` keeps only them."""
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -165,15 +174,28 @@ def load_initial_weights(model: torch.nn.Module, state: dict[str, torch.Tensor],
         )
     for name, p in model.named_parameters():
         shape = tuple(getattr(p, "ds_shape", p.shape))
-        if tuple(state[name].shape) != shape:
-            raise ConfigError(
-                f"init.from_path's {name} has shape {tuple(state[name].shape)} but the model's is {shape}"
-            )
+        expert_rows = state.expert_rows(name) if isinstance(state, LazyStateDict) else None
+        if expert_rows is not None:  # [E, …]: the count now, each expert's shape as it is read
+            _check_shape(name, (expert_rows.num_experts, *shape[1:]), shape)
+            with _gathered(p, partitioned):
+                for e in local_experts if local_experts is not None else range(expert_rows.num_experts):
+                    rows = expert_rows.read(e, e + 1)  # one expert: [1, D, F] or [1, F, D]
+                    _check_shape(name, (expert_rows.num_experts, *rows.shape[1:]), shape)
+                    p.data[e : e + 1].copy_(rows)
+            continue
+        tensor = state[name]
+        _check_shape(name, tuple(tensor.shape), shape)
         with _gathered(p, partitioned):
-            p.data.copy_(state[name])
+            p.data.copy_(tensor)
+        del tensor  # a lazy source's read: freed before the next one is read
     for name, buffer in model.named_buffers():
         if name in state:  # non-persistent buffers (RoPE tables) are not in a state dict
             buffer.copy_(state[name])
+
+
+def _check_shape(name: str, source: tuple[int, ...], model: tuple[int, ...]) -> None:
+    if source != model:
+        raise ConfigError(f"init.from_path's {name} has shape {source} but the model's is {model}")
 
 
 def _gathered(p: torch.nn.Parameter, partitioned: bool):

@@ -30,6 +30,7 @@ name, whatever the attention's parameters are (GQA's w_q/w_k/w_v/w_o, MLA's late
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -38,7 +39,7 @@ from moe.errors import ModelConfigError
 
 
 def upcycle_state_dict(
-    dense_config: ModelConfig, dense_state: dict[str, torch.Tensor], moe_config: ModelConfig, seed: int = 0
+    dense_config: ModelConfig, dense_state: Mapping[str, torch.Tensor], moe_config: ModelConfig, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """The state dict of `Transformer(moe_config)` upcycled from a dense model's (see the module docstring)."""
     check_upcycle_configs(dense_config, moe_config)
@@ -46,9 +47,9 @@ def upcycle_state_dict(
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     moe_prefixes = tuple(f"blocks.{i}.ffn." for i in range(moe_config.n_layers) if moe_config.is_moe_layer(i))
-    for name, tensor in dense_state.items():
+    for name in dense_state:  # by name: a lazy source reads each tensor only when asked, the FFNs below
         if not name.startswith(moe_prefixes):
-            state[name] = tensor.detach().clone()
+            state[name] = dense_state[name].detach().clone()
     for prefix in moe_prefixes:
         w_gate_FD = dense_state.get(prefix + "w_gate.weight")  # nn.Linear stores [out, in]
         w_up_FD = dense_state[prefix + "w_up.weight"]

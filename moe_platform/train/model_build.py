@@ -13,12 +13,16 @@ ranks as soon as that module's `__init__` returns, so a rank holds one module's 
     outside zero.Init. The optimizer's fp32 master copies are made from the rounded weights in both cases.
 Accelerate's `zero3_init_context_manager` is not the tool here: it only tells transformers' `from_pretrained` to use
 zero.Init; a model of our own has to be built inside zero.Init itself.
+
+With `init.from_path` the source's weights are copied in after the build; a Hugging Face source is read then, tensor
+by tensor, and under expert parallelism each rank reads only the expert rows of its own block (interop/init_from.py).
 """
 
 import torch
 from accelerate import Accelerator
 
 from moe import Transformer
+from moe.expert_parallel import ExpertParallel
 from moe_platform.config import TrainConfig
 from moe_platform.interop.init_from import initial_state_dict, load_initial_weights
 from moe_platform.parallel.accelerator import register_moe_leaf_modules
@@ -34,7 +38,8 @@ def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
     """The seeded model for `accelerator.prepare`: the same initial weights on every rank (and under every
     strategy), then this rank's own noise stream. Under ZeRO-3 the parameters come back already partitioned
     (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. With `init.from_path` the
-    weights are then replaced by the source's (or its upcycled ones), whole, before expert parallelism slices them."""
+    weights are then replaced by the source's (or its upcycled ones), whole but for the expert rows of other EP
+    ranks, which a Hugging Face source does not read, before expert parallelism slices them."""
     initial_state = initial_state_dict(config)  # first: a bad source fails before any collective
     seed_initial_weights(config.trainer.seed)
     if builds_partitioned(config):
@@ -43,7 +48,8 @@ def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
     else:
         model = Transformer(config.model)
         if initial_state is not None:
-            load_initial_weights(model, initial_state, partitioned=False)
+            local = _local_experts(config, accelerator.process_index)
+            load_initial_weights(model, initial_state, partitioned=False, local_experts=local)
     seed_noise_streams(config.trainer.seed, accelerator.process_index)
     model.set_activation_checkpointing(config.trainer.activation_checkpointing)
     if config.trainer.compile:
@@ -52,6 +58,15 @@ def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
         for block in model.blocks:
             block.compile()
     return model
+
+
+def _local_experts(config: TrainConfig, rank: int) -> range | None:
+    """The global expert ids `expert_parallel.attach` will keep on this rank (its groups put rank r at block
+    r mod EP, parallel/groups.py), or None without expert parallelism."""
+    ep = config.distributed.expert_parallel_size
+    if ep == 1 or config.model.moe is None:
+        return None
+    return ExpertParallel(size=ep, rank=rank % ep).local_experts(config.model.moe.num_experts)
 
 
 def full_shape(p: torch.nn.Parameter) -> torch.Size:

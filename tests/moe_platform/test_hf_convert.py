@@ -18,7 +18,7 @@ from moe import ModelConfig, MoEConfig, Transformer
 from moe.moe_config import RouterConfig
 from moe_platform.interop.export import load_exported_model
 from moe_platform.interop.export import main as moe_export
-from moe_platform.interop.hf_convert import ConversionError, from_hf, hf_architecture, to_hf
+from moe_platform.interop.hf import ConversionError, from_hf, hf_architecture, to_hf
 from moe_platform.testing import moe_train, subprocess_env
 
 VOCAB, ATOL = 96, 1e-5

@@ -20,7 +20,7 @@ from moe.router import group_limited_topk
 from moe_platform.config import InitConfig, TrainConfig
 from moe_platform.interop.export import load_exported_model
 from moe_platform.interop.export import main as moe_export
-from moe_platform.interop.hf_convert import DEEPSEEK_V3, ConversionError, from_hf, hf_architecture, to_hf
+from moe_platform.interop.hf import DEEPSEEK_V3, ConversionError, from_hf, hf_architecture, to_hf
 from moe_platform.interop.init_from import initial_state_dict
 from moe_platform.testing import moe_train
 

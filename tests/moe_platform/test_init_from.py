@@ -128,7 +128,7 @@ def test_a_contradicting_model_override_is_refused_naming_the_key(dense_run):
 
 
 def test_a_hugging_face_dir_loads_exactly_and_upcycles(dense_run, tmp_path):
-    from moe_platform.interop.hf_convert import to_hf
+    from moe_platform.interop.hf import to_hf
 
     saved = load_run_config(latest_checkpoint(dense_run) / "config.yaml").model
     state = export_fp32_state_dict(latest_checkpoint(dense_run))
