@@ -312,7 +312,7 @@ class Trainer:
         return []
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (deepspeed_experts.py)."""
+        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (parallel/deepspeed_experts.py)."""
         optim = self.config.optim
         groups = optimizer_param_groups(model, self.config)
         if self._deepspeed and self.expert_groups is not None:
