@@ -5,7 +5,8 @@ Facts this module encodes (measured on CPU with torch 2.13, deepspeed 0.19.8, ac
     an explicit gloo process group when there is no GPU; DeepSpeed's own accelerator then picks the CPU.
   * Plain DDP on CPU needs cpu=True, otherwise Accelerate leaves the processes unaware of each other
     (DistributedType.NO with two processes that each train alone).
-  * torch's AdamW is the client optimizer: DeepSpeed's fused/CPU Adam ops JIT-compile for over a minute.
+  * torch's AdamW is the client optimizer: DeepSpeed's fused/CPU Adam ops JIT-compile for over a minute; so would
+    its CPU backend's shared-memory all-reduce, which only inference uses (`_no_shared_memory_inference_op`).
 """
 
 import logging
@@ -88,6 +89,8 @@ def build_accelerator(
     backend = dist.backend or ("nccl" if gpu else "gloo")
     if dist.strategy == "deepspeed":
         describe_lone_process_group()
+        if not gpu:
+            _no_shared_memory_inference_op()
     # A lone process has no group to set up; passing group kwargs then makes Accelerate look for one.
     grouped = world_size > 1 or dist.strategy == "deepspeed"
     timeout = timedelta(seconds=dist.timeout_s)
@@ -126,6 +129,16 @@ def build_accelerator(
     if not gpu and accelerator.is_main_process:
         log.info("no GPU found: running on CPU with the %s backend (%s)", backend, accelerator.distributed_type)
     return accelerator
+
+
+def _no_shared_memory_inference_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm) when its communication
+    starts, ~45 s of C++ on a 2-core machine in every new environment (the build is keyed by the environment's
+    include paths), for `inference_all_reduce` alone, which training never calls: marked incompatible, the backend
+    falls back to torch.distributed for it and compiles nothing (deepspeed/comm/torch.py, `build_shm_op`)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def register_moe_leaf_modules(model: torch.nn.Module) -> None:

@@ -109,11 +109,15 @@ def test_two_ranks_reproduce_the_single_process_losses(
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
 def test_deepspeed_runs_as_one_plain_process_without_a_launcher(tmp_path: Path, single_process_run, strategy) -> None:
-    """`moe-train distributed=zero3` on one GPU (or CPU) with no torchrun: a one-rank process group is made."""
-    result = moe_train(tmp_path, f"distributed={strategy}")
+    """`moe-train distributed=zero3` on one GPU (or CPU) with no torchrun: a one-rank process group is made. It
+    compiles nothing: DeepSpeed's CPU backend would JIT-build its shared-memory inference all-reduce (~45 s) into
+    TORCH_EXTENSIONS_DIR, here an empty directory of the test's (parallel/accelerator.py)."""
+    extensions = tmp_path / "torch_extensions"
+    result = moe_train(tmp_path / "run", f"distributed={strategy}", env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    assert not extensions.exists() or not any(extensions.iterdir()), sorted(extensions.rglob("*"))
     assert "1 rank(s), DEEPSPEED, model wrapped as DeepSpeedEngine" in result.stdout
     assert "no launcher: DeepSpeed runs as a one-rank process group" in result.stdout + result.stderr
-    train, _ = read_metrics(tmp_path)
+    train, _ = read_metrics(tmp_path / "run")
     single, _ = single_process_run
     for step in STEPS:
         assert train[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=1e-5), step
