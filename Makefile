@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install train test lint clean
+.PHONY: install train test durations lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,14 @@ train: install
 	$(VENV)/bin/moe-train $(ARGS)
 
 ## The whole test suite (what CI runs). Two workers, each taking whole files (--dist loadfile keeps a module's
-## fixtures in one process): many tests wait on process start-up, barriers and timeouts rather than compute.
+## fixtures in one process): many tests wait on process start-up, barriers and timeouts rather than compute. Files
+## start longest first, by tests/file_durations.json (tests/conftest.py); `make durations` re-records it.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+durations: install
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --record-file-durations $(PYTEST_ARGS)
 
 lint: install
 	$(PY) -m ruff check .
