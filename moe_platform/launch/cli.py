@@ -18,6 +18,7 @@ leaves the run directory as it found it (bad_input.py).
 """
 
 import contextlib
+import io
 import logging
 import os
 import sys
@@ -136,10 +137,27 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
         sys.exit(6)
 
 
+QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
 def _quiet_hydra_on_other_ranks() -> None:
     """Ranks other than 0 must not write .hydra/ or a log file into what may be rank 0's run directory."""
     if int(os.environ.get("RANK", "0")) != 0:
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        sys.argv[1:] = with_overrides(sys.argv[1:], QUIET)
+
+
+def with_overrides(argv: list[str], more: list[str]) -> list[str]:
+    """`argv` with `more` overrides beside its own: Hydra's parser takes its overrides as one run of arguments, so
+    appended after an option that follows them (`a=1 --config-dir=X`) they would be refused as unrecognized."""
+    from hydra._internal.utils import get_args_parser
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            overrides = get_args_parser().parse_known_args(argv)[0].overrides
+        except SystemExit:  # arguments Hydra refuses anyway: it says so itself
+            overrides = []
+    end = argv.index(overrides[0]) + len(overrides) if overrides else len(argv)  # after them: `more` wins
+    return [*argv[:end], *more, *argv[end:]]
 
 
 def main() -> None:

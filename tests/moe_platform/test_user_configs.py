@@ -113,3 +113,26 @@ def test_moe_submit_refuses_a_typo_in_a_users_experiment(tmp_path: Path, monkeyp
         "trainer.max_steps? (nothing was submitted)\n"
     )
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["experiment=mine", "--config-dir=DIR"],
+        ["--config-dir=DIR", "experiment=mine", "trainer.seed=1"],
+        ["--config-dir", "DIR", "experiment=mine"],
+        ["--config-dir=DIR"],
+        [],
+    ],
+)
+def test_ranks_other_than_0_keep_the_command_line_as_hydra_parses_it(argv: list[str]) -> None:
+    """Ranks but 0 add overrides that keep Hydra's files out of the run dir. Hydra parses overrides as one run of
+    arguments, so they go right after the user's, wherever --config-dir stands, and win over them."""
+    from hydra._internal.utils import get_args_parser
+
+    from moe_platform.launch.cli import QUIET, with_overrides
+
+    before = get_args_parser().parse_args(argv)
+    after = get_args_parser().parse_args(with_overrides(argv, QUIET))  # refuses stray arguments with SystemExit
+    assert after.overrides == [*before.overrides, *QUIET]
+    assert after.config_dir == before.config_dir
