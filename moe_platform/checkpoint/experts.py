@@ -165,6 +165,6 @@ def consolidated_experts(checkpoint: Path) -> dict[str, torch.Tensor]:
     if not shards:
         return {}
     with safe_open(str(next(iter(shards.values()))), framework="pt") as f:
-        names = [key for key in f.keys() if not key.endswith((".exp_avg", ".exp_avg_sq"))]
+        names = [key for key in f.keys() if not key.endswith(tuple(f".{moment}" for moment in MOMENTS))]
     num_experts = max(ids.stop for ids in shards)
     return {name: read_expert_rows(shards, name, range(0, num_experts)) for name in names}

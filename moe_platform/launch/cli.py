@@ -18,7 +18,6 @@ leaves the run directory as it found it (bad_input.py).
 """
 
 import contextlib
-import io
 import logging
 import os
 import sys
@@ -42,6 +41,7 @@ from moe_platform.launch.compose import (
     CONFIG_PATH,
     compose_train,
     composition_error,
+    hydra_arguments,
     plain_run,
     register_configs,
 )
@@ -149,13 +149,8 @@ def _quiet_hydra_on_other_ranks() -> None:
 def with_overrides(argv: list[str], more: list[str]) -> list[str]:
     """`argv` with `more` overrides beside its own: Hydra's parser takes its overrides as one run of arguments, so
     appended after an option that follows them (`a=1 --config-dir=X`) they would be refused as unrecognized."""
-    from hydra._internal.utils import get_args_parser
-
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            overrides = get_args_parser().parse_known_args(argv)[0].overrides
-        except SystemExit:  # arguments Hydra refuses anyway: it says so itself
-            overrides = []
+    parsed = hydra_arguments(argv)
+    overrides = parsed[0].overrides if parsed is not None else []  # refused arguments: Hydra says so itself
     end = argv.index(overrides[0]) + len(overrides) if overrides else len(argv)  # after them: `more` wins
     return [*argv[:end], *more, *argv[end:]]
 

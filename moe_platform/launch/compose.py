@@ -8,6 +8,7 @@ experiments of their own, e.g. DIR/experiment/mine.yaml) is searched after them 
 `hydra.searchpath=[file://DIR]` among the overrides works as it does for moe-train.
 """
 
+import argparse
 import contextlib
 import importlib.resources
 import io
@@ -94,16 +95,25 @@ class PlainRun(NamedTuple):
     config_dir: Optional[str]
 
 
-def plain_run(argv: list[str]) -> Optional[PlainRun]:
-    """A plain run's overrides and --config-dir, as Hydra's own argument parser reads them; None for anything
-    else."""
+def hydra_arguments(argv: list[str]) -> Optional[tuple[argparse.Namespace, list[str]]]:
+    """(arguments, those it does not know) as Hydra's own parser reads `argv`, silently; None for what it refuses or
+    answers itself (--version), which Hydra then says its own way."""
     from hydra._internal.utils import get_args_parser
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            args, unknown = get_args_parser().parse_known_args(argv)
-    except SystemExit:  # --version, or arguments Hydra's parser refuses: Hydra answers them itself
+            return get_args_parser().parse_known_args(argv)
+    except SystemExit:
         return None
+
+
+def plain_run(argv: list[str]) -> Optional[PlainRun]:
+    """A plain run's overrides and --config-dir, as Hydra's own argument parser reads them; None for anything
+    else."""
+    parsed = hydra_arguments(argv)
+    if parsed is None:
+        return None
+    args, unknown = parsed
     other_work = (
         args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun,
         args.experimental_rerun, args.config_path, args.config_name,
