@@ -462,6 +462,8 @@ class RunShape:
     dp_size: int = 1  # all ranks W: replicated weights are data-parallel over every rank, with or without EP
     kv_bytes_per_element: int = 2
     ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (divides dp_size and E)
+    fsdp: bool = False  # PyTorch FSDP2 (distributed.strategy=fsdp): everything sharded, zero_stage is 0
+    replicate_size: int = 1  # FSDP only: HSDP's R replicas, each sharding the non-expert state over dp_size / R
     grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
     checkpointing: str = "none"  # activation checkpointing: "none", "moe" or "full"
     attention_mask: bool = False  # a padding or packed-document mask reaches attention (SDPA keeps it per layer)

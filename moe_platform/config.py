@@ -29,7 +29,7 @@ from moe import ModelConfig, ModelConfigError, RunShape
 from moe.checkpointing import MODES as ACTIVATION_CHECKPOINTING
 
 SCHEDULES = ("cosine", "linear", "constant")
-STRATEGIES = ("single", "ddp", "deepspeed")
+STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
 PRECISIONS = ("fp32", "bf16")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 MOE_DETAILS = ("brief", "detailed")
@@ -94,8 +94,25 @@ class OptimConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """PyTorch FSDP2 (distributed.strategy=fsdp, parallel/fsdp.py): parameters, gradients and optimizer state
+    sharded over the ranks; with `replicate_size` R > 1 it is HSDP, R replicas of a shard over W/R ranks."""
+
+    replicate_size: int = 1
+    reshard_after_forward: bool = True  # free each block's gathered parameters after its forward (gather again)
+    cpu_offload: bool = False  # sharded parameters, gradients and optimizer state in host memory (needs GPUs)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.replicate_size >= 1,
+            f"distributed.fsdp.replicate_size={self.replicate_size} must be >= 1 (1: FSDP, R > 1: HSDP)",
+        )
+
+
+@dataclass
 class DistributedConfig:
-    """How ranks cooperate: one process, plain DDP, or DeepSpeed ZeRO (stage 0–3, optional CPU offload)."""
+    """How ranks cooperate: one process, plain DDP, DeepSpeed ZeRO (stage 0–3, optional CPU offload), or FSDP2
+    (`fsdp`: fully sharded, or hybrid sharded with `fsdp.replicate_size` > 1)."""
 
     strategy: str = "single"
     zero_stage: int = 0  # deepspeed only
@@ -107,6 +124,7 @@ class DistributedConfig:
     check_memory: bool = True  # refuse at start-up a training state the ledger says cannot fit (see launch/memory.py)
     # EP: each group of this many consecutive ranks splits every MoE layer's experts (parallel/expert_parallel.py)
     expert_parallel_size: int = 1
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -114,12 +132,23 @@ class DistributedConfig:
             f"distributed.strategy={self.strategy!r} is unknown: use one of {STRATEGIES}",
         )
         _require(self.zero_stage in (0, 1, 2, 3), f"distributed.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.strategy != "deepspeed":
+        if self.strategy == "fsdp":
+            _require(
+                self.zero_stage == 0 and not self.offload_optimizer and not self.offload_params,
+                "distributed.zero_stage/offload_optimizer/offload_params are DeepSpeed's, but distributed.strategy="
+                "fsdp shards everything already: drop them, and offload with distributed.fsdp.cpu_offload=true",
+            )
+        elif self.strategy != "deepspeed":
             _require(
                 self.zero_stage == 0 and not self.offload_optimizer and not self.offload_params,
                 f"distributed.zero_stage/offload need distributed.strategy=deepspeed, not {self.strategy!r}: "
                 "pick distributed=zero1/zero2/zero3/zero3_offload",
             )
+        _require(
+            self.strategy == "fsdp" or self.fsdp == FSDPConfig(),
+            f"distributed.fsdp.* sets FSDP2 up but distributed.strategy={self.strategy!r}: use distributed=fsdp or "
+            "distributed=hsdp, or drop the distributed.fsdp keys",
+        )
         _require(
             not self.offload_optimizer or self.zero_stage >= 1,
             "distributed.offload_optimizer needs distributed.zero_stage >= 1: raise the stage or drop the offload",
@@ -356,6 +385,8 @@ class TrainConfig:
             precision=self.trainer.precision,
             zero_stage=self.distributed.zero_stage,
             dp_size=world_size,
+            fsdp=self.distributed.strategy == "fsdp",
+            replicate_size=self.distributed.fsdp.replicate_size,
             ep_size=self.distributed.expert_parallel_size,
             grad_accum=self.data.global_batch_size // (micro * world_size),
             checkpointing=self.trainer.activation_checkpointing,
@@ -379,13 +410,13 @@ class TrainConfig:
         )
         _require(
             self.distributed.strategy != "single",
-            f"distributed.expert_parallel_size={ep} needs several ranks: use distributed=ddp, zero1 or zero2",
+            f"distributed.expert_parallel_size={ep} needs several ranks: use distributed=fsdp, ddp, zero1 or zero2",
         )
         _require(
             self.distributed.zero_stage != 3,
             f"distributed.expert_parallel_size={ep} does not work with ZeRO-3 (DeepSpeed 0.19 partitions every "
-            "parameter over all ranks except for its own AutoEP layer, so expert blocks would mix): use "
-            "distributed=zero2 or ddp",
+            "parameter over all ranks except for its own AutoEP layer, so expert blocks would mix): for ZeRO-3 "
+            "sharding with experts split use distributed=fsdp (PyTorch FSDP2), or distributed=zero2",
         )
 
 
@@ -399,7 +430,13 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
     strategy = config.distributed.strategy
     _require(
         not (strategy == "single" and world_size > 1),
-        f"distributed=single but the launcher started {world_size} processes: use distributed=ddp or zero1/2/3",
+        f"distributed=single but the launcher started {world_size} processes: use distributed=ddp, fsdp or zero1/2/3",
+    )
+    replicas = config.distributed.fsdp.replicate_size
+    _require(
+        strategy != "fsdp" or world_size % replicas == 0,
+        f"distributed.fsdp.replicate_size={replicas} does not divide the {world_size} ranks the launcher started: "
+        "launch a multiple of it, or change it (1 shards over all ranks)",
     )
     per_step = config.trainer.micro_batch_size * world_size
     _require(
@@ -417,6 +454,11 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
         not (config.distributed.offload_params and not has_gpu),
         "distributed.offload_params moves parameters from GPU to host memory, but there is no GPU: "
         "use distributed=zero3",
+    )
+    _require(
+        not (config.distributed.fsdp.cpu_offload and not has_gpu),
+        "distributed.fsdp.cpu_offload moves the shards from GPU to host memory, but there is no GPU: "
+        "set distributed.fsdp.cpu_offload=false",
     )
     return config.run_shape(world_size).grad_accum
 

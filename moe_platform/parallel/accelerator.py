@@ -39,15 +39,15 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 
 def describe_lone_process_group() -> None:
-    """DeepSpeed needs a process group even for one rank (one GPU with ZeRO-3 offload is a real use). A process
-    that no launcher started (plain `moe-train distributed=zero3`) gets the environment of a one-rank group on
-    127.0.0.1, as torchrun --nproc_per_node=1 would give it; a launched process is left as its launcher set it."""
+    """DeepSpeed and FSDP2 need a process group even for one rank (one GPU with ZeRO-3 offload is a real use). A
+    process that no launcher started (plain `moe-train distributed=zero3`) gets the environment of a one-rank group
+    on 127.0.0.1, as torchrun --nproc_per_node=1 would give it; a launched process is left as its launcher set it."""
     if any(name in os.environ for name in LAUNCHER_VARIABLES):
         return
     port = free_port()
     one_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     os.environ.update({**one_rank, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    log.info("no launcher: DeepSpeed runs as a one-rank process group on 127.0.0.1:%d", port)
+    log.info("no launcher: one rank runs as a process group on 127.0.0.1:%d", port)
 
 
 def deepspeed_config(
@@ -87,12 +87,13 @@ def build_accelerator(
     dist = config.distributed
     gpu = has_gpu()
     backend = dist.backend or ("nccl" if gpu else "gloo")
-    if dist.strategy == "deepspeed":
+    sharded = dist.strategy in ("deepspeed", "fsdp")  # both need a process group, even of one rank
+    if sharded:
         describe_lone_process_group()
-        if not gpu:
-            _no_shared_memory_inference_op()
+    if dist.strategy == "deepspeed" and not gpu:
+        _no_shared_memory_inference_op()
     # A lone process has no group to set up; passing group kwargs then makes Accelerate look for one.
-    grouped = world_size > 1 or dist.strategy == "deepspeed"
+    grouped = world_size > 1 or sharded
     timeout = timedelta(seconds=dist.timeout_s)
     handlers = [InitProcessGroupKwargs(backend=backend, timeout=timeout)] if grouped else []
     if grouped and not torch.distributed.is_initialized():
@@ -105,7 +106,10 @@ def build_accelerator(
         # stopped peer far past distributed.timeout_s=10). Every later group gets the configured timeout too.
         c10d = torch.distributed.distributed_c10d
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
-    mixed_precision = "bf16" if config.trainer.precision == "bf16" else "no"
+    # FSDP2 applies its own mixed-precision policy to the model it shards (parallel/fsdp.py), which Accelerate never
+    # wraps; Accelerate's autocast would only apply to models it prepares.
+    bf16 = config.trainer.precision == "bf16" and dist.strategy != "fsdp"
+    mixed_precision = "bf16" if bf16 else "no"
     if dist.strategy == "deepspeed":
         plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(config, grad_accum, world_size, load_universal))
         accelerator = Accelerator(

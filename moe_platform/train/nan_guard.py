@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moe_platform.checkpoint.catalog import latest_checkpoint
 from moe_platform.config import TrainerConfig
@@ -189,9 +190,11 @@ def _float_tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _local_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter as this rank stores it (ZeRO-3: its partition `ds_tensor`), and the floating buffers."""
+    """Every parameter as this rank stores it (ZeRO-3: its partition `ds_tensor`; FSDP2: its DTensor's local shard),
+    and the floating buffers."""
     for name, parameter in model.named_parameters():
-        yield name, getattr(parameter, "ds_tensor", parameter).detach()
+        stored = getattr(parameter, "ds_tensor", parameter).detach()
+        yield name, stored.to_local() if isinstance(stored, DTensor) else stored
     for name, buffer in model.named_buffers():
         if buffer.is_floating_point():
             yield name, buffer

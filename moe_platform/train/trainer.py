@@ -6,7 +6,8 @@ Per optimizer step, on every rank:
      backward (Accelerate divides by grad_accum, or DeepSpeed does; a non-finite loss makes every gradient NaN) →
      collect the MoE layers' raw counts
   3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients (under expert parallelism the experts'
-     over their expert-data-parallel group: parallel/expert_parallel.py), clip, and step the optimizer, unless the
+     over their expert-data-parallel group: parallel/expert_parallel.py; FSDP2 reduce-scatters them after every
+     micro-batch's backward: parallel/fsdp.py), clip, and step the optimizer, unless the
      global grad norm is not finite (DeepSpeed checks it itself): then no rank steps, and `trainer.on_nan` skips the
      step or halts, naming the first module whose output was non-finite (nan_guard.py)
   4. one aux-loss-free balancing-bias update per MoE layer (counts summed over ranks; none in a skipped step)
@@ -52,7 +53,7 @@ from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak
 from moe_platform.monitor.progress import Progress
 from moe_platform.monitor.throughput import Throughput
-from moe_platform.parallel import deepspeed_experts, expert_parallel
+from moe_platform.parallel import deepspeed_experts, expert_parallel, fsdp
 from moe_platform.train.liveness import Liveness
 from moe_platform.train.model_build import build_model, full_shape
 from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
@@ -172,8 +173,8 @@ class Trainer:
         model = build_model(config, accelerator)  # seeds first: loading the data may have drawn on a rank
         faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self._deepspeed = config.distributed.strategy == "deepspeed"
-        self.expert_groups = expert_parallel.attach(model, config.distributed.expert_parallel_size, self._deepspeed)
-        self.model, self.optimizer = accelerator.prepare(model, self._build_optimizer(model))
+        self._fsdp = config.distributed.strategy == "fsdp"
+        self.model, self.optimizer = self._parallelize(model)
         # The module inside the engine, looked up once: Accelerate's unwrap_model reads package metadata on every
         # call (is_deepspeed_available), ~1% of a ZeRO-2 step when done per step.
         self.module = accelerator.unwrap_model(self.model)
@@ -202,6 +203,24 @@ class Trainer:
         self.run_shape = config.run_shape(accelerator.num_processes)  # the ledger's view: start, footprint, end
         # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
         self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
+
+    def _parallelize(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Collective: split the experts over EP ranks (if asked), then shard or replicate the model as the strategy
+        says and build the optimizer on what this rank holds. FSDP2 shards the model itself, so Accelerate prepares
+        neither model nor optimizer then (parallel/fsdp.py says why)."""
+        dist = self.config.distributed
+        if self._fsdp:
+            self.meshes = fsdp.build_meshes(self.accelerator.device.type, dist.fsdp.replicate_size,
+                                            dist.expert_parallel_size)  # fmt: skip
+            self.expert_groups = self.meshes.expert_groups
+            policy = fsdp.ShardingPolicy(
+                dist.fsdp.reshard_after_forward, self.config.trainer.precision == "bf16", dist.fsdp.cpu_offload
+            )
+            fsdp.shard_model(model, self.meshes, policy)
+            return model, self._build_optimizer(model)
+        self.meshes = None
+        self.expert_groups = expert_parallel.attach(model, dist.expert_parallel_size, self._deepspeed)
+        return self.accelerator.prepare(model, self._build_optimizer(model))
 
     # ---- the loop ------------------------------------------------------------------------------------------------
 
@@ -283,12 +302,12 @@ class Trainer:
                 lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
                 faults.point("backward", step)
                 self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss))
-                if self.accelerator.sync_gradients:
+                if self.accelerator.sync_gradients:  # the last micro-batch: only here is there a step to take
                     grad_norm = self._clip_gradients()
                     applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
-                if applied:
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    if applied:
+                        self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
             lm_losses.append(lm_loss.detach())
             aux_losses.append(output.aux_loss.detach().float())
             stats = _add_stats(stats, _moe_stats(output))
@@ -304,6 +323,8 @@ class Trainer:
     def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
         """What checkpoints hold beside Accelerate's files: experts by global id (any strategy but DeepSpeed), or
         under DeepSpeed with EP the universal copy and the experts restored into the module on load."""
+        if self._fsdp:
+            return []  # TODO(checkpoint): DCP
         if self.config.model.moe is not None and not self._deepspeed:
             ep = self.expert_groups.expert_parallel if self.expert_groups is not None else None
             return [ExpertCheckpoint(model, self._base_optimizer(), ep, self.accelerator)]
@@ -323,6 +344,8 @@ class Trainer:
     def _clip_gradients(self) -> float:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
         max_norm = self.config.optim.grad_clip or math.inf
+        if self._fsdp:  # shards on two meshes: each counted once (parallel/fsdp.py)
+            return fsdp.clip_grad_norm(self.module, max_norm)
         if self.expert_groups is not None and not self._deepspeed:
             return expert_parallel.reduce_and_clip(self.module, max_norm, self.expert_groups)
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
