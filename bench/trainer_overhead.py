@@ -14,6 +14,10 @@ trainer's parameter groups and hyper-parameters, the same learning rate per step
   ddp     the model in torch's DistributedDataParallel, `no_sync()` on all but the last micro-batch
   zero2   `deepspeed.initialize` with the DeepSpeed config the trainer builds (distributed.deepspeed_config), then
           engine.backward / engine.step per micro-batch, no Accelerate
+  fsdp    `fully_shard` on every block and the root (torch's defaults: fp32, reshard after forward but the root's),
+          reduce-scatter after every micro-batch, torch's clip_grad_norm_ on the DTensor gradients
+  fsdp_ep the same sharding with the experts split over both ranks: parallel/fsdp.py's `shard_model` (experts on
+          their own mesh: there is no bare torch way to say that) and its two-mesh `clip_grad_norm`
 The trainer logs to metrics.jsonl only (no progress bar, no wandb/TensorBoard), evaluates only after the loop and
 saves no checkpoint.
 
@@ -63,13 +67,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script, this folder would come first and shadow nothing; be explicit
 BIN = Path(sys.executable).parent
-MODES = {"single": 1, "ddp": 2, "zero2": 2}
+MODES = {"single": 1, "ddp": 2, "zero2": 2, "fsdp": 2, "fsdp_ep": 2}
+# The distributed.* overrides of each mode (fsdp_ep: FSDP2 with the experts split over both ranks).
+STRATEGY = {
+    "single": ["distributed=single"],
+    "ddp": ["distributed=ddp"],
+    "zero2": ["distributed=zero2"],
+    "fsdp": ["distributed=fsdp"],
+    "fsdp_ep": ["distributed=fsdp", "distributed.expert_parallel_size=2"],
+}
 
 
 def run_overrides(args: argparse.Namespace, mode: str) -> list[str]:
     """The Hydra overrides both contenders compose their config from (the trainer's own defaults otherwise)."""
     return [
-        f"distributed={mode}",
+        *STRATEGY[mode],
         "logging=jsonl",
         "logging.progress_bar=false",
         f"trainer.max_steps={args.warmup + args.steps}",
@@ -133,6 +145,11 @@ def time_trainer(args: argparse.Namespace, mode: str) -> list[float]:
 
 def time_bare(args: argparse.Namespace, mode: str) -> list[float]:
     """Seconds per optimizer step of the bare loop (this file with --bare, launched like the trainer), per window."""
+    return run_bare(args, mode)["window_s_per_step"]
+
+
+def run_bare(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
+    """The bare loop launched like the trainer: its seconds per step per window and its loss per step."""
     with tempfile.TemporaryDirectory(prefix="bench_bare_") as out:
         program = [sys.executable, str(Path(__file__).resolve()), "--bare", mode, "--out", f"{out}/t.json"]
         program += ["--warmup", str(args.warmup), "--steps", str(args.steps), "--log-every", str(args.log_every)]
@@ -140,7 +157,7 @@ def time_bare(args: argparse.Namespace, mode: str) -> list[float]:
         result = subprocess.run(launch(mode, program), capture_output=True, text=True, env=child_env(args, mode))
         if result.returncode != 0:
             raise RuntimeError(f"bare loop ({mode}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-        return json.loads(Path(out, "t.json").read_text())["window_s_per_step"]
+        return json.loads(Path(out, "t.json").read_text())
 
 
 # ---- the bare loop (one process of it) ------------------------------------------------------------------------------
@@ -182,13 +199,25 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     # from an Accelerator outside ZeRO-3, which this bench does not run.
     model = build_model(config, SimpleNamespace(process_index=rank))
     optim = config.optim
-    groups = trainer.optimizer_param_groups(model, config)
-    kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))  # the trainer's AdamW kernel
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
     engine = model
     if mode == "ddp":
         engine = torch.nn.parallel.DistributedDataParallel(model)
-    elif mode != "single":
+    elif mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model, reshard_after_forward=False)
+    elif mode == "fsdp_ep":
+        from moe_platform.parallel import fsdp
+
+        meshes = fsdp.build_meshes("cpu", replicate_size=1, ep_size=world)
+        fsdp.shard_model(model, meshes, fsdp.ShardingPolicy(reshard_after_forward=True, bf16=False, cpu_offload=False))
+    # The trainer's parameter groups and AdamW kernel, on what this rank holds (FSDP: its shards).
+    groups = trainer.optimizer_param_groups(model, config)
+    kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+    if mode == "zero2":
         import deepspeed
 
         ds_config = deepspeed_config(config, accum, world)
@@ -208,15 +237,18 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
             group["lr"] = optim.lr_at(step, config.trainer.max_steps)
         for i in range(accum):
             batch = batches[step * accum + i]
-            if mode in ("single", "ddp"):
+            if mode != "zero2":  # FSDP2 reduce-scatters after every backward, as the trainer's runs do
                 last = i == accum - 1
-                with contextlib.nullcontext() if last or mode == "single" else engine.no_sync():
+                with contextlib.nullcontext() if last or mode != "ddp" else engine.no_sync():
                     (loss_of(*batch) / accum).backward()
             else:  # DeepSpeed scales by the accumulation, all-reduces, clips and steps at the boundary itself
                 engine.backward(loss_of(*batch))
                 engine.step()
-        if mode in ("single", "ddp"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if mode != "zero2":
+            if mode == "fsdp_ep":
+                fsdp.clip_grad_norm(model, max_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         update_balancing_biases(model)

@@ -42,3 +42,12 @@ def test_the_bare_loop_computes_the_trainers_losses_step_for_step(monkeypatch: p
     assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
     # The stamps the timing reads: one per log, in order.
     assert all(seconds > 0 for seconds in bench.seconds_per_step(records, [2, 4, 6]))
+
+
+def test_the_bare_fsdp_loop_with_experts_split_computes_the_trainers_losses() -> None:
+    """2 ranks over torchrun, as the bench launches both: FSDP2 with EP=2 (the fsdp_ep row)."""
+    bench = load_bench()
+    args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
+    records = bench.run_trainer(args, "fsdp_ep")
+    bare = bench.run_bare(args, "fsdp_ep")["loss_per_step"]
+    assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
