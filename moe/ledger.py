@@ -7,78 +7,136 @@ computed under.
 
 Under expert parallelism (EP > 1) a sixth table gives the per-rank figures that EP changes. Legend there:
 W all ranks, EP ranks sharing one MoE layer's experts, E routed experts, K experts per token, D model width,
-L_moe MoE layers, N tokens per micro-batch, s bytes per activation element.
+L_moe MoE layers, N tokens per micro-batch, s bytes per activation element. Under FSDP2 (HSDP: R replicas of
+shards over W/R ranks) the training-state table also shows what FSDP gathers while a unit computes, in the param
+dtype p. The byte counts are what the strategies allocate, measured per rank by moe_platform/monitor/footprint.py.
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 from moe.checkpointing import MODES as CHECKPOINTING
 
 # Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
 # arrow points one way: ledger → config.
-from moe.config import ModelConfig, count_parameters
+from moe.config import ModelConfig, attention_num_params, count_parameters, norm_num_params
 from moe.dispatch import expert_capacity
-from moe.ffn import ffn_matmul_flops_per_token
+from moe.ffn import ffn_matmul_flops_per_token, ffn_num_params
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training state
 # ---------------------------------------------------------------------------------------------------------------
 
-# Bytes per parameter for (weights, gradients, optimizer state) under stated assumptions.
-PRECISION_BYTES = {
-    # fp32 weights + fp32 grads + AdamW m and v in fp32: 4 + 4 + 8 = 16 B/param (seed 000).
-    "fp32": (4, 4, 8),
-    # bf16 weights + bf16 grads + fp32 master copy + fp32 m and v: 2 + 2 + (4 + 4 + 4) = 16 B/param (seed 001 §1.5).
-    "bf16": (2, 2, 12),
-}
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the ledger needs to know about a run besides the model."""
+
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    precision: str = "fp32"
+    zero_stage: int = 0
+    dp_size: int = 1  # all ranks W: replicated weights are data-parallel over every rank, with or without EP
+    kv_bytes_per_element: int = 2
+    ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (divides dp_size and E)
+    fsdp: bool = False  # PyTorch FSDP2 (distributed.strategy=fsdp): everything sharded, zero_stage is 0
+    replicate_size: int = 1  # FSDP only: HSDP's R replicas, each sharding the non-expert state over dp_size / R
+    grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
+    checkpointing: str = "none"  # activation checkpointing: "none", "moe" or "full"
+    attention_mask: bool = False  # a padding or packed-document mask reaches attention (SDPA keeps it per layer)
+
+
+# Bytes per element of a weight in each precision's compute dtype (the module's weights under DeepSpeed, the gathered
+# copies under FSDP).
+PARAM_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+FP32_BYTES = 4
+ADAMW_BYTES = 8  # m and v, fp32 in every precision here
 PRECISION_ASSUMPTIONS = {
-    "fp32": "fp32 weights 4 B + fp32 grads 4 B + AdamW m, v fp32 8 B",
-    "bf16": "bf16 weights 2 B + bf16 grads 2 B + fp32 master 4 B + AdamW m, v fp32 8 B",
+    "fp32": "fp32 weights 4 B + fp32 grads 4 B + AdamW m, v fp32 8 B (+ DeepSpeed's fp32 master copy 4 B)",
+    "bf16": "bf16 weights 2 B + grads 2 B (fp32 4 B at stage ≥ 2) + fp32 master 4 B + AdamW m, v 8 B; DDP: as fp32",
 }
+FSDP_ASSUMPTION = "fp32 shards of weights (the master) 4 B + grads 4 B + AdamW m, v 8 B, in either precision"
 # Bytes per element of the hidden vectors that move between ranks (expert-parallel all-to-all).
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
 class TrainingStateBytes:
-    weights: float
+    weights: float  # the module's parameters (under ZeRO-3 and FSDP this rank's shard of them)
     gradients: float
-    optimizer: float
+    master: float  # DeepSpeed's fp32 master partition, a copy beside the weights (0 where the weights are the master)
+    optimizer: float  # AdamW's m and v
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.master + self.optimizer
+
+    def __add__(self, other: "TrainingStateBytes") -> "TrainingStateBytes":
+        return TrainingStateBytes(
+            weights=self.weights + other.weights,
+            gradients=self.gradients + other.gradients,
+            master=self.master + other.master,
+            optimizer=self.optimizer + other.optimizer,
+        )
 
 
-def training_state_bytes(num_params: int, precision: str, zero_stage: int, dp_size: int) -> TrainingStateBytes:
-    """Per-rank bytes of weights, gradients and optimizer state under ZeRO stage 0–3 with `dp_size` ranks.
-
-    Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the weights (ZeRO paper's
-    Ψ·(2 + 2 + K) accounting). Activations, buffers, allocator slack and communication buckets are not counted.
+def training_state_bytes(
+    num_params: int, precision: str, zero_stage: int, dp_size: int, *, fsdp: bool = False
+) -> TrainingStateBytes:
+    """Per-rank bytes of weights, gradients, master copy and optimizer state of `num_params` parameters that
+    `dp_size` ranks share, as each strategy allocates them (measured, torch 2.13 and DeepSpeed 0.19.8, by
+    monitor/footprint.py; tests/moe_platform/test_footprint.py checks it):
+      * stage 0 (DDP, one process): nothing sharded; fp32 weights and gradients even under bf16, which autocasts
+        from them: 4 + 4 + 8 = 16 B/param;
+      * DeepSpeed ZeRO stage 1/2/3 shards the optimizer state, also the gradients, also the weights. The weights
+        are in the precision's dtype (4 or 2 B); the gradients too at stage 1 (backward's unsharded ones), but at
+        stages 2 and 3 they are reduced into fp32 partitions (4 B) even under bf16; and the ZeRO optimizer keeps an
+        fp32 master partition (4 B) even when the weights are fp32 (it clones them). bf16: 4 + 12/N, 2 + 16/N,
+        18/N B/param (the ZeRO paper's Ψ·(2 + 2 + 12) has 2 B sharded gradients, which DeepSpeed does not keep);
+      * FSDP2 (`fsdp`) shards everything, in fp32 in either precision (its bf16 weights exist only gathered, while a
+        unit computes: `sharding_transient_bytes`): 16/N B/param.
+    Activations, buffers, allocator slack and communication buckets are not counted.
     """
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is unknown: use one of {tuple(PRECISION_BYTES)}")
+    if precision not in PARAM_DTYPE_BYTES:
+        raise ValueError(f"precision={precision!r} is unknown: use one of {tuple(PARAM_DTYPE_BYTES)}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage} is invalid: use 0, 1, 2 or 3")
+    if fsdp and zero_stage:
+        raise ValueError(f"zero_stage={zero_stage} is DeepSpeed's, but fsdp shards everything already: use 0")
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
-    weight_b, grad_b, optim_b = PRECISION_BYTES[precision]
-    shard = 1.0 / dp_size
+    n, shard = num_params, 1.0 / dp_size
+    if fsdp:
+        return TrainingStateBytes(
+            weights=n * FP32_BYTES * shard,
+            gradients=n * FP32_BYTES * shard,
+            master=0.0,
+            optimizer=n * ADAMW_BYTES * shard,
+        )
+    if zero_stage == 0:
+        return TrainingStateBytes(
+            weights=n * FP32_BYTES, gradients=n * FP32_BYTES, master=0.0, optimizer=n * ADAMW_BYTES
+        )
+    weight_b = PARAM_DTYPE_BYTES[precision]
     return TrainingStateBytes(
-        weights=num_params * weight_b * (shard if zero_stage >= 3 else 1.0),
-        gradients=num_params * grad_b * (shard if zero_stage >= 2 else 1.0),
-        optimizer=num_params * optim_b * (shard if zero_stage >= 1 else 1.0),
+        weights=n * weight_b * (shard if zero_stage >= 3 else 1.0),
+        gradients=n * FP32_BYTES * shard if zero_stage >= 2 else n * weight_b,
+        master=n * FP32_BYTES * shard,
+        optimizer=n * ADAMW_BYTES * shard,
     )
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Expert parallelism
+# Expert parallelism and FSDP
 # ---------------------------------------------------------------------------------------------------------------
 #
 # EP ranks split every MoE layer's E routed experts into contiguous blocks of E/EP. Everything else (embeddings,
 # attention, norms, dense FFNs, routers, shared experts) is replicated on all W ranks, and each expert block is
 # replicated on the W/EP ranks that hold it (its expert-data-parallel group). So ZeRO shards the replicated state
-# over W ranks and the expert state over W/EP ranks.
+# over W ranks and the expert state over W/EP ranks; DeepSpeed does partition the experts' state over that group
+# (measured, ZeRO-1/2 with EP=2 of W=4: 2 partitions of each expert group; DeepSpeed issue #7156 says otherwise).
+# FSDP2 shards the non-expert state over its shard group (W ranks; W/R under HSDP, R replicas) and each expert block
+# over its W/EP expert-data-parallel ranks, so a rank holds routed / EP / (W/EP) = routed / W of the experts.
 
 
 def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | None = None) -> None:
@@ -100,6 +158,15 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
         )
 
 
+def _check_layout(config: ModelConfig, run: RunShape) -> None:
+    _check_expert_parallel(config, run.ep_size, run.dp_size)
+    R = run.replicate_size
+    if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
+        raise ValueError(
+            f"replicate_size={R} needs fsdp and must divide the world size W={run.dp_size}: use 1 without HSDP"
+        )
+
+
 def expert_params_per_rank(config: ModelConfig, ep_size: int) -> int:
     """Routed-expert parameters one rank holds: Σ over MoE layers of (E/EP) experts = routed experts / EP."""
     _check_expert_parallel(config, ep_size)
@@ -112,24 +179,100 @@ def params_per_rank(config: ModelConfig, ep_size: int) -> int:
     return params.total - params.routed_experts + expert_params_per_rank(config, ep_size)
 
 
-def training_state_bytes_per_rank(
-    config: ModelConfig, precision: str, zero_stage: int, world_size: int, ep_size: int = 1
-) -> TrainingStateBytes:
-    """Per-rank weights, gradients and optimizer state with `world_size` ranks of which `ep_size` split the experts.
+def _shard_counts(run: RunShape) -> tuple[int, int]:
+    """How many ranks share the non-expert state and a rank's expert block: (W, or W/R under HSDP; W/EP). Without
+    EP the experts are sharded like everything else (under HSDP over W/R too); with it each block over all its
+    W/EP holders (parallel/fsdp.py shards it over its expert-data-parallel group, HSDP or not)."""
+    dense = run.dp_size // run.replicate_size if run.fsdp else run.dp_size
+    return dense, (run.dp_size // run.ep_size if run.ep_size > 1 else dense)
 
-    Replicated parameters are ZeRO-sharded over W ranks, the rank's routed experts (routed / EP) over the W/EP
-    ranks that hold the same block; at EP=1 this is `training_state_bytes(total, …, W)`.
+
+def training_state_bytes_per_rank(config: ModelConfig, run: RunShape) -> TrainingStateBytes:
+    """Per-rank weights, gradients, master copy and optimizer state of `run`'s layout (ZeRO stage, FSDP/HSDP, EP).
+
+    The non-expert parameters are sharded over W ranks (FSDP: its shard group, W/R under HSDP), the rank's routed
+    experts (routed / EP) over the W/EP ranks that hold the same block; at EP=1 and R=1 this is
+    `training_state_bytes(total, …, W)`.
     """
-    _check_expert_parallel(config, ep_size, world_size)
+    _check_layout(config, run)
     params = count_parameters(config)
-    replicated = training_state_bytes(params.total - params.routed_experts, precision, zero_stage, world_size)
-    experts = training_state_bytes(
-        expert_params_per_rank(config, ep_size), precision, zero_stage, world_size // ep_size
-    )
-    return TrainingStateBytes(
-        weights=replicated.weights + experts.weights,
-        gradients=replicated.gradients + experts.gradients,
-        optimizer=replicated.optimizer + experts.optimizer,
+    dense_shards, expert_shards = _shard_counts(run)
+    state = partial(training_state_bytes, precision=run.precision, zero_stage=run.zero_stage, fsdp=run.fsdp)
+    replicated = state(params.total - params.routed_experts, dp_size=dense_shards)
+    return replicated + state(expert_params_per_rank(config, run.ep_size), dp_size=expert_shards)
+
+
+def stored_params_per_rank(config: ModelConfig, run: RunShape) -> float:
+    """Parameters a rank stores: `params_per_rank` (its expert block under EP), sharded under ZeRO-3 and FSDP."""
+    _check_layout(config, run)
+    params = count_parameters(config)
+    if run.zero_stage < 3 and not run.fsdp:
+        return params_per_rank(config, run.ep_size)
+    dense_shards, expert_shards = _shard_counts(run)
+    experts = expert_params_per_rank(config, run.ep_size)
+    return (params.total - params.routed_experts) / dense_shards + experts / expert_shards
+
+
+@dataclass(frozen=True)
+class ShardingTransientBytes:
+    """What a sharded strategy holds per rank beyond its shards at the worst moment of a step (in backward), in the
+    param dtype p (2 B bf16, 4 B fp32); `sharding_transient_bytes` says which units each strategy gathers."""
+
+    gathered: float  # whole parameters of the units gathered at once
+    gradients: float  # their unsharded gradients, written by autograd in p until reduced into shards
+    reduce_scatter: float  # FSDP's reduce-scatter input, in the reduce dtype fp32 (DeepSpeed's buckets: not counted)
+
+    @property
+    def total(self) -> float:
+        return self.gathered + self.gradients + self.reduce_scatter
+
+
+def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
+    """The parameters of each unit FSDP gathers whole, root (embeddings, final norm, lm head) first, then every block
+    with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block)."""
+    params = count_parameters(config)
+    norms = 2 * norm_num_params(config)
+    units = [params.embedding + params.lm_head + norm_num_params(config)]
+    for layer in range(config.n_layers):
+        if config.is_moe_layer(layer):
+            moe = config.moe
+            routed = moe.num_experts * ffn_num_params(config.d_model, moe.expert_d_ff, config.activation)
+            ffn = moe.num_params(config.d_model, config.activation) - routed + routed // ep_size
+        else:
+            ffn = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
+        units.append(attention_num_params(config) + norms + ffn)
+    return units
+
+
+def sharding_transient_bytes(config: ModelConfig, run: RunShape) -> ShardingTransientBytes:
+    """FSDP2's and ZeRO-3's gathered parameters, unsharded gradients and reduce-scatter input per rank (0 otherwise).
+
+    FSDP2 (units: the root = embeddings, final norm, lm head; each block, under EP with its E/EP experts): forward
+    holds the root and one block at a time (a block is resharded after its forward); backward holds the root, the
+    block it runs and the one it prefetches (FSDP2's default), and a unit's unsharded gradients until its
+    reduce-scatter; so with B the largest block: gathered = (U_root + 2·B)·p, gradients = (U_root + B)·p,
+    reduce-scatter = max(U_root, B)·4. ZeRO-3 gathers one module as it runs and frees it after, the MoE layer being
+    one leaf with all E experts (no EP under ZeRO-3): gathered = gradients = U·p with U the largest of the
+    embedding, the head, a block's attention and a block's FFN or MoE layer (its prefetch bucket, 5e7 elements by
+    default, and its reduce buckets are not counted). Upper bounds of the moments they describe, independent of the
+    shard count and of CPU offload (which moves the shards, not these).
+    """
+    _check_layout(config, run)
+    p = PARAM_DTYPE_BYTES[run.precision]
+    if run.zero_stage == 3:
+        params = count_parameters(config)
+        norms = 2 * norm_num_params(config)
+        ffns = [block - attention_num_params(config) - norms for block in fsdp_unit_params(config, 1)[1:]]
+        largest = max(params.embedding, params.lm_head, attention_num_params(config), *ffns)
+        return ShardingTransientBytes(gathered=largest * p, gradients=largest * p, reduce_scatter=0.0)
+    if not run.fsdp:
+        return ShardingTransientBytes(0.0, 0.0, 0.0)
+    root, *blocks = fsdp_unit_params(config, run.ep_size)
+    blocks = sorted(blocks, reverse=True)
+    return ShardingTransientBytes(
+        gathered=(root + sum(blocks[:2])) * p,
+        gradients=(root + blocks[0]) * p,
+        reduce_scatter=max(root, blocks[0]) * FP32_BYTES,
     )
 
 
@@ -451,24 +594,6 @@ def activation_bytes(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunShape:
-    """What the ledger needs to know about a run besides the model."""
-
-    micro_batch_size: int = 8
-    seq_len: int = 128
-    precision: str = "fp32"
-    zero_stage: int = 0
-    dp_size: int = 1  # all ranks W: replicated weights are data-parallel over every rank, with or without EP
-    kv_bytes_per_element: int = 2
-    ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (divides dp_size and E)
-    fsdp: bool = False  # PyTorch FSDP2 (distributed.strategy=fsdp): everything sharded, zero_stage is 0
-    replicate_size: int = 1  # FSDP only: HSDP's R replicas, each sharding the non-expert state over dp_size / R
-    grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
-    checkpointing: str = "none"  # activation checkpointing: "none", "moe" or "full"
-    attention_mask: bool = False  # a padding or packed-document mask reaches attention (SDPA keeps it per layer)
-
-
 def _human(n: float, unit: str) -> str:
     if unit == "B":
         for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
@@ -492,7 +617,7 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
 def format_ledger(config: ModelConfig, run: RunShape) -> str:
     """The five tables (six under expert parallelism), each row with the assumption it rests on."""
     params = count_parameters(config)
-    state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
+    state = training_state_bytes_per_rank(config, run)
     flops = matmul_flops_per_token(config, run.seq_len)
     if config.attention == "mla":
         attention_note = "MLA: query path, W_DKV + W_KR, latent norm, W_UK + W_UV, W_O"
@@ -520,17 +645,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("norms", f"{params.norms:,}", f"{config.norm}: γ{' and β' if config.norm == 'layernorm' else ''}"),
             ],
         ),
-        _table(
-            f"Training state per rank ({run.precision}, ZeRO-{run.zero_stage}, {run.dp_size} data-parallel ranks"
-            + (f", experts over EP={run.ep_size})" if run.ep_size > 1 else ")"),
-            [
-                ("weights", _human(state.weights, "B"), "sharded at stage 3"),
-                ("gradients", _human(state.gradients, "B"), "sharded at stage ≥ 2"),
-                ("optimizer", _human(state.optimizer, "B"), "sharded at stage ≥ 1"),
-                ("total", _human(state.total, "B"), PRECISION_ASSUMPTIONS[run.precision]),
-                ("not counted", "-", "activations, buffers, allocator slack, communication buckets"),
-            ],
-        ),
+        _training_state_table(config, run, state),
         _kv_cache_table(config, run),
         _table(
             f"Matmul FLOPs per token (S={run.seq_len}, multiply-add = 2)",
@@ -548,6 +663,60 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     if run.ep_size > 1:
         tables.insert(2, _expert_parallel_table(config, run, state))
     return "\n\n".join(tables)
+
+
+def _layout(run: RunShape) -> str:
+    """The sharding layout in words: ZeRO stage and ranks, or FSDP/HSDP's shard groups; EP's expert blocks."""
+    W, EP, R = run.dp_size, run.ep_size, run.replicate_size
+    if not run.fsdp:
+        layout = f"ZeRO-{run.zero_stage}, {W} data-parallel ranks"
+    elif R > 1:
+        layout = f"HSDP: {R} replicas × shards over W/R = {W // R} of W={W} ranks"
+    else:
+        layout = f"FSDP2 over W={W} ranks"
+    if EP > 1:
+        layout += f", experts over EP={EP}" + (f" × W/EP = {W // EP} expert-data-parallel" if run.fsdp else "")
+    return layout
+
+
+def _training_state_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
+    if run.fsdp:
+        dense_shards = run.dp_size // run.replicate_size
+        experts = "routed / W" if run.ep_size > 1 else f"routed / {dense_shards}"
+        shards = f"non-expert / {dense_shards}, {experts}" if config.moe else f"/ {dense_shards}"
+        rows = [
+            ("weights", _human(state.weights, "B"), f"fp32 shards ({shards}), the master weights"),
+            ("gradients", _human(state.gradients, "B"), "fp32 shards, reduce-scattered"),
+            ("optimizer", _human(state.optimizer, "B"), "AdamW m, v of the shards"),
+            ("total", _human(state.total, "B"), FSDP_ASSUMPTION),
+        ]
+        transient = sharding_transient_bytes(config, run)
+        p = run.precision  # the param dtype FSDP gathers and computes in
+        rows += [
+            ("gathered", _human(transient.gathered, "B"), f"root + 2 largest blocks in {p} (one prefetched)"),
+            ("unsharded grads", _human(transient.gradients, "B"), f"root + largest block in {p}, until reduced"),
+            ("reduce-scatter", _human(transient.reduce_scatter, "B"), "largest unit's fp32 reduce-scatter input"),
+        ]
+    else:
+        rows = [
+            ("weights", _human(state.weights, "B"), "sharded at stage 3"),
+            ("gradients", _human(state.gradients, "B"), "sharded at stage ≥ 2, then fp32 partitions"),
+            ("master", _human(state.master, "B"), "DeepSpeed's fp32 partition, at stage ≥ 1"),
+            ("optimizer", _human(state.optimizer, "B"), "AdamW m, v, sharded at stage ≥ 1"),
+            ("total", _human(state.total, "B"), PRECISION_ASSUMPTIONS[run.precision]),
+        ]
+        if run.zero_stage == 3:
+            transient = sharding_transient_bytes(config, run)
+            rows += [
+                ("gathered", _human(transient.gathered, "B"), f"largest module in {run.precision} (MoE layer: all E)"),
+                (
+                    "unsharded grads",
+                    _human(transient.gradients, "B"),
+                    f"its gradients in {run.precision}, until reduced",
+                ),
+            ]
+    rows.append(("not counted", "-", "activations, buffers, allocator slack, communication buckets"))
+    return _table(f"Training state per rank ({run.precision}, {_layout(run)})", rows)
 
 
 def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
@@ -585,15 +754,25 @@ def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
 
 def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
     W, EP, E = run.dp_size, run.ep_size, config.moe.num_experts
-    optim_b = PRECISION_BYTES[run.precision][2]
     expert_matrices = 3 if config.activation == "swiglu" else 2  # w_gate (SwiGLU only), w_up, w_down
-    if run.zero_stage >= 1:
-        optimizer_formula = f"{optim_b} B · (replicated / W + routed / EP / (W/EP)), ZeRO-{run.zero_stage}"
+    dense_shards, expert_shards = _shard_counts(run)
+    experts = training_state_bytes(
+        expert_params_per_rank(config, EP), run.precision, run.zero_stage, expert_shards, fsdp=run.fsdp
+    )
+    if run.fsdp:
+        dense = "non-expert / (W/R)" if run.replicate_size > 1 else "non-expert / W"
+        optimizer_formula = f"{ADAMW_BYTES} B · ({dense} + routed / EP / (W/EP)), FSDP2"
+        expert_formula = f"{ADAMW_BYTES} B · routed / (EP · W/EP) = routed / W: EP splits, FSDP shards each block"
+    elif run.zero_stage >= 1:
+        optimizer_formula = f"{ADAMW_BYTES} B · (replicated / W + routed / EP / (W/EP)), ZeRO-{run.zero_stage}"
+        expert_formula = f"{ADAMW_BYTES} B · routed / EP / (W/EP): DeepSpeed partitions each block over W/EP (measured)"
     else:
-        optimizer_formula = f"{optim_b} B · params per rank, ZeRO-0: unsharded"
+        optimizer_formula = f"{ADAMW_BYTES} B · params per rank, ZeRO-0: unsharded"
+        expert_formula = f"{ADAMW_BYTES} B · routed / EP, ZeRO-0: each block unsharded on its W/EP ranks"
     a2a = all_to_all_bytes_per_step(
         config, run.micro_batch_size * run.seq_len, run.grad_accum, EP, ACTIVATION_BYTES[run.precision]
     )
+    stored = stored_params_per_rank(config, run)
     return _table(
         f"Expert parallelism (EP={EP} of W={W} ranks: E/EP = {E // EP} experts per rank per MoE layer, "
         f"each block on W/EP = {W // EP} ranks)",
@@ -608,7 +787,19 @@ def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingSt
                 f"{params_per_rank(config, EP):,}",
                 "replicated (all but routed experts; routers, shared experts) + routed / EP",
             ),
+            *(
+                [
+                    (
+                        "params stored per rank",
+                        f"{stored:,.0f}",
+                        f"sharded: non-expert / {dense_shards} + expert / {expert_shards}",
+                    )
+                ]
+                if stored != params_per_rank(config, EP)
+                else []
+            ),
             ("optimizer per rank", _human(state.optimizer, "B"), optimizer_formula),
+            ("expert optimizer per rank", _human(experts.optimizer, "B"), expert_formula),
             (
                 "all-to-all per step",
                 _human(a2a, "B"),

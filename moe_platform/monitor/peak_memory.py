@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
-from moe.ledger import RunShape, activation_bytes, training_state_bytes_per_rank
+from moe.ledger import RunShape, activation_bytes, sharding_transient_bytes, training_state_bytes_per_rank
 
 
 @dataclass
@@ -108,27 +108,31 @@ def live_cpu_storage_bytes() -> int:
 
 @dataclass(frozen=True)
 class PeakPrediction:
-    """The ledger's per-rank bytes for one training step: training state and one micro-batch's activations."""
+    """The ledger's per-rank bytes for one training step: training state, one micro-batch's activations, and under
+    FSDP and ZeRO-3 what they gather, its unsharded gradients and reduce-scatter input
+    (`moe.ledger.sharding_transient_bytes`)."""
 
     state_bytes: float
     activation_bytes: float
+    transient_bytes: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.state_bytes + self.activation_bytes
+        return self.state_bytes + self.activation_bytes + self.transient_bytes
 
 
 def predict_peak(config: ModelConfig, run: RunShape) -> PeakPrediction:
-    """Training state per rank (weights + gradients + optimizer) + one micro-batch's activations, from the ledger.
+    """Training state per rank (weights + gradients + master + optimizer) + one micro-batch's activations (+ under
+    FSDP and ZeRO-3 what they gather and reduce beyond the shards), from the ledger.
 
     Gradients and the full activations never peak together (backward frees activations as it writes gradients,
     and the optimizer's temporaries come after both), so this sum bounds the step's tensors from above up to
     what neither counts: transients inside one op, the gradient of the logits, the batch itself."""
-    state = training_state_bytes_per_rank(config, run.precision, run.zero_stage, run.dp_size, run.ep_size)
+    state = training_state_bytes_per_rank(config, run)
     activations = activation_bytes(
         config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
     )
-    return PeakPrediction(state.total, activations.total)
+    return PeakPrediction(state.total, activations.total, sharding_transient_bytes(config, run).total)
 
 
 class PeakMemoryProbe:
@@ -158,7 +162,9 @@ class PeakMemoryProbe:
         """One line: measured beside predicted, or why nothing was measured."""
         predicted = (
             f"predicted {_mib(prediction.total)} (state {_mib(prediction.state_bytes)} + activations "
-            f"{_mib(prediction.activation_bytes)})"
+            f"{_mib(prediction.activation_bytes)}"
+            + (f" + gathered {_mib(prediction.transient_bytes)}" if prediction.transient_bytes else "")
+            + ")"
         )
         if self.result is None:
             return f"peak memory per rank: not measured (it is measured in a run's second step); {predicted}"

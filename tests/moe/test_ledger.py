@@ -1,6 +1,7 @@
 """The ledger against the seeds' hand-computed cases, torch's own FLOP counter and, under expert parallelism,
 the real model's expert blocks."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,14 @@ from moe import (
 )
 from moe.config import attention_num_params
 from moe.experts import GroupedExperts
-from moe.ledger import PRECISION_BYTES, _human, mha_kv_cache_bytes, training_state_bytes
+from moe.ledger import (
+    _human,
+    fsdp_unit_params,
+    mha_kv_cache_bytes,
+    sharding_transient_bytes,
+    stored_params_per_rank,
+    training_state_bytes,
+)
 from moe.mla_config import MLAConfig
 from moe.moe_config import RouterConfig
 
@@ -122,12 +130,28 @@ def test_training_state_is_16_bytes_per_parameter_without_zero(precision: str) -
 
 
 def test_zero_stages_shard_what_they_claim() -> None:
-    """bf16 mixed precision, Ψ params, N ranks: stage 1 = 4Ψ + 12Ψ/N, stage 2 = 2Ψ + 14Ψ/N, stage 3 = 16Ψ/N."""
+    """bf16, Ψ params, N ranks, as DeepSpeed 0.19.8 allocates (tests/moe_platform/test_footprint.py measures it):
+    stage 1 = 2Ψ weights + 2Ψ grads + 12Ψ/N (fp32 master, m, v); stage 2 = 2Ψ + 16Ψ/N, the gradient partitions
+    being fp32; stage 3 = 18Ψ/N. fp32 adds the master partition DeepSpeed clones: stage 3 = 20Ψ/N."""
     psi, n = 1_000_000, 8
     assert training_state_bytes(psi, "bf16", 1, n).total == 4 * psi + 12 * psi / n
-    assert training_state_bytes(psi, "bf16", 2, n).total == 2 * psi + 14 * psi / n
-    assert training_state_bytes(psi, "bf16", 3, n).total == 16 * psi / n
-    assert training_state_bytes(psi, "fp32", 3, 1).total == 16 * psi
+    assert training_state_bytes(psi, "bf16", 2, n).total == 2 * psi + 16 * psi / n
+    assert training_state_bytes(psi, "bf16", 3, n).total == 18 * psi / n
+    assert training_state_bytes(psi, "fp32", 3, 1).total == 20 * psi
+    for stage in (1, 2, 3):
+        assert training_state_bytes(psi, "bf16", stage, n).master == 4 * psi / n
+        assert training_state_bytes(psi, "bf16", stage, n).optimizer == 8 * psi / n
+    assert training_state_bytes(psi, "bf16", 0, n) == training_state_bytes(psi, "fp32", 0, n), "DDP autocasts"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp_shards_fp32_weights_gradients_and_optimizer_state_in_either_precision(precision: str) -> None:
+    """FSDP2 keeps fp32 shards whatever the compute dtype: 4 + 4 + 8 = 16 B/param over N ranks, no master copy."""
+    psi, n = 1_000_000, 8
+    state = training_state_bytes(psi, precision, 0, n, fsdp=True)
+    assert (state.weights, state.gradients, state.master, state.optimizer) == (4 * psi / n, 4 * psi / n, 0, 8 * psi / n)
+    with pytest.raises(ValueError, match="fsdp shards everything"):
+        training_state_bytes(psi, precision, 3, n, fsdp=True)
 
 
 def test_training_state_rejects_bad_input() -> None:
@@ -226,6 +250,9 @@ EP_CONFIGS = [
 ]
 
 
+PARTS = ("weights", "gradients", "master", "optimizer")
+
+
 def _ep_sizes(config: ModelConfig) -> list[int]:
     return [ep for ep in range(1, config.moe.num_experts + 1) if config.moe.num_experts % ep == 0]
 
@@ -242,9 +269,11 @@ def test_ep_1_gives_todays_figures(config: ModelConfig, precision: str, zero_sta
     assert params_per_rank(config, 1) == total
     assert all_to_all_bytes_per_step(config, 64, 4, 1, 2) == 0
     for world in (1, 4):
-        per_rank = training_state_bytes_per_rank(config, precision, zero_stage, world)
+        per_rank = training_state_bytes_per_rank(
+            config, RunShape(precision=precision, zero_stage=zero_stage, dp_size=world)
+        )
         today = training_state_bytes(total, precision, zero_stage, world)
-        for name in ("weights", "gradients", "optimizer"):
+        for name in PARTS:
             assert getattr(per_rank, name) == pytest.approx(getattr(today, name), rel=1e-12)
     text = format_ledger(config, RunShape(precision=precision, zero_stage=zero_stage, dp_size=4))
     assert "Expert parallelism" not in text and "EP=" not in text
@@ -305,17 +334,18 @@ def test_ep_training_state_summed_over_ranks_counts_each_copy(
     """Summed over all W ranks, a sharded quantity is stored once per parameter; an unsharded one W times for a
     replicated parameter and W/EP times for an expert parameter (one copy per rank holding its block)."""
     total, routed = config.num_params(), count_parameters(config).routed_experts
-    weight_b, grad_b, optim_b = PRECISION_BYTES[precision]
+    per_param = training_state_bytes(1, precision, zero_stage, 1)  # bytes of one parameter on one rank
     world = 2 * config.moe.num_experts
     for ep in _ep_sizes(config):
-        state = training_state_bytes_per_rank(config, precision, zero_stage, world, ep)
+        state = training_state_bytes_per_rank(
+            config, RunShape(precision=precision, zero_stage=zero_stage, dp_size=world, ep_size=ep)
+        )
         copies = world * (total - routed) + (world // ep) * routed
-        for bytes_per_param, value, sharded in (
-            (weight_b, state.weights, zero_stage >= 3),
-            (grad_b, state.gradients, zero_stage >= 2),
-            (optim_b, state.optimizer, zero_stage >= 1),
+        for name, sharded in zip(
+            PARTS, (zero_stage >= 3, zero_stage >= 2, zero_stage >= 1, zero_stage >= 1), strict=True
         ):
-            assert world * value == pytest.approx(bytes_per_param * (total if sharded else copies), rel=1e-12)
+            expected = getattr(per_param, name) * (total if sharded else copies)
+            assert world * getattr(state, name) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("config", EP_CONFIGS)
@@ -343,7 +373,7 @@ def test_format_ledger_prints_the_ep_block_with_formulas() -> None:
     text = format_ledger(config, run)
     assert "Expert parallelism (EP=4 of W=8 ranks" in text and "experts over EP=4" in text
     block = text.split("Expert parallelism")[1].split("\n\n")[0]
-    state = training_state_bytes_per_rank(config, "bf16", 1, 8, 4)
+    state = training_state_bytes_per_rank(config, run)
     expected_a2a = all_to_all_bytes_per_step(config, run.micro_batch_size * run.seq_len, 2, 4, 2)
     for row in (
         f"{expert_params_per_rank(config, 4):,}",
@@ -362,8 +392,142 @@ def test_expert_parallel_sizes_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ValueError, match="num_experts=8"):
         params_per_rank(config, 3)
     with pytest.raises(ValueError, match="world size W=6"):
-        training_state_bytes_per_rank(config, "fp32", 1, 6, 4)
+        training_state_bytes_per_rank(config, RunShape(zero_stage=1, dp_size=6, ep_size=4))
     with pytest.raises(ValueError, match="dense"):
         params_per_rank(ModelConfig(), 2)
     with pytest.raises(ValueError, match="ep_size=0"):
         all_to_all_bytes_per_step(config, 8, 1, 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 and HSDP, alone and with EP: R replicas of shards over W/R ranks, experts over EP × W/EP
+# ---------------------------------------------------------------------------------------------------------------
+
+FSDP_BYTES = {"weights": 4, "gradients": 4, "master": 0, "optimizer": 8}  # fp32 shards in either precision
+
+
+def _fsdp(world: int, ep: int = 1, replicas: int = 1, precision: str = "fp32") -> RunShape:
+    return RunShape(precision=precision, dp_size=world, ep_size=ep, fsdp=True, replicate_size=replicas)
+
+
+@pytest.mark.parametrize("config", [ModelConfig(**_SMALL), *EP_CONFIGS])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fsdp_at_w_ranks_holds_a_wth_of_every_part_with_or_without_ep(config: ModelConfig, precision: str) -> None:
+    """Dense parameters sharded over W, each expert block over its W/EP ranks: routed / EP / (W/EP) = routed / W, so
+    every EP size gives total / W of each part, and the parameters stored are total / W."""
+    total = config.num_params()
+    eps = _ep_sizes(config) if config.moe else [1]
+    for world in (1, 4, 8, 24):
+        for ep in (ep for ep in eps if world % ep == 0):
+            run = _fsdp(world, ep, precision=precision)
+            state = training_state_bytes_per_rank(config, run)
+            for name, bytes_per_param in FSDP_BYTES.items():
+                assert getattr(state, name) == pytest.approx(bytes_per_param * total / world, rel=1e-12), (world, ep)
+            assert stored_params_per_rank(config, run) == pytest.approx(total / world, rel=1e-12)
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_hsdp_shards_the_non_expert_state_over_one_replica_and_the_experts_over_all_ranks(config: ModelConfig) -> None:
+    """Non-expert state / (W/R), R copies of it; under EP the experts' / W (the expert mesh does not replicate),
+    without EP the experts are sharded with the rest, / (W/R) (measured: bench/memory_per_rank.py's hsdp row)."""
+    total, routed = config.num_params(), count_parameters(config).routed_experts
+    world = 4 * config.moe.num_experts
+    for replicas in (2, 4):
+        for ep in _ep_sizes(config):
+            state = training_state_bytes_per_rank(config, _fsdp(world, ep, replicas))
+            expert_shards = world if ep > 1 else world // replicas
+            for name, b in FSDP_BYTES.items():
+                expected = b * ((total - routed) / (world // replicas) + routed / expert_shards)
+                assert getattr(state, name) == pytest.approx(expected, rel=1e-12), (replicas, ep, name)
+            copies_of_experts = 1 if ep > 1 else replicas  # summed over ranks: R copies of the dense state
+            summed = 8 * (replicas * (total - routed) + copies_of_experts * routed)
+            assert world * state.optimizer == pytest.approx(summed, rel=1e-12), (replicas, ep)
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_expert_optimizer_state_falls_as_one_over_ep_times_the_expert_data_parallel_size(config: ModelConfig) -> None:
+    """The EP table's expert row: 8 B · routed / (EP · W/EP) = 8 B · routed / W under FSDP + EP (and ZeRO-1/2 + EP,
+    whose partitions over the W/EP ranks are measured in tests/moe_platform/test_footprint.py)."""
+    routed = count_parameters(config).routed_experts
+    world = 2 * config.moe.num_experts
+    for ep in _ep_sizes(config)[1:]:
+        for run in (_fsdp(world, ep), RunShape(zero_stage=2, dp_size=world, ep_size=ep)):
+            block = format_ledger(config, run).split("Expert parallelism")[1].split("\n\n")[0]
+            expert_row = next(line for line in block.splitlines() if "expert optimizer per rank" in line)
+            assert _human(8 * routed / world, "B") in expert_row, expert_row
+            assert ("routed / W" in expert_row) == run.fsdp
+
+
+@pytest.mark.parametrize("config", [ModelConfig(**_SMALL), *EP_CONFIGS])
+def test_fsdp_units_are_the_real_models_root_and_blocks(config: ModelConfig) -> None:
+    """The units FSDP gathers: the root (embeddings, final norm, head; tied: one table) and each block, counted on the
+    real module; under EP a block holds E/EP of its experts."""
+    model = Transformer(config)
+    root, *blocks = fsdp_unit_params(config, ep_size=1)
+    assert blocks == [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    in_blocks = {id(p) for block in model.blocks for p in block.parameters()}
+    assert root == sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    for ep in _ep_sizes(config) if config.moe else [1]:
+        assert sum(fsdp_unit_params(config, ep)) == params_per_rank(config, ep)
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_fsdp_transient_is_the_root_and_largest_blocks_gathered_and_reduced(config: ModelConfig) -> None:
+    """(U_root + 2·B)·p gathered, (U_root + B)·p unsharded gradients, max(U_root, B)·4 reduce-scatter input, with B
+    the largest block (its experts E/EP): independent of the shard count, half the gathered bytes in bf16, fewer
+    under EP; nothing without FSDP."""
+    for ep in _ep_sizes(config):
+        root, *blocks = fsdp_unit_params(config, ep)
+        largest = sorted(blocks, reverse=True)
+        for precision, p in (("fp32", 4), ("bf16", 2)):
+            transient = sharding_transient_bytes(config, _fsdp(4 * config.moe.num_experts, ep, precision=precision))
+            assert transient.gathered == (root + sum(largest[:2])) * p
+            assert transient.gradients == (root + largest[0]) * p
+            assert transient.reduce_scatter == max(root, largest[0]) * 4
+            assert transient == sharding_transient_bytes(
+                config, _fsdp(8 * config.moe.num_experts, ep, precision=precision)
+            )
+    gathered = [
+        sharding_transient_bytes(config, _fsdp(config.moe.num_experts, ep)).gathered for ep in _ep_sizes(config)
+    ]
+    assert gathered == sorted(gathered, reverse=True) and gathered[-1] < gathered[0]
+    for stage in (0, 1, 2):
+        assert sharding_transient_bytes(config, RunShape(zero_stage=stage, dp_size=8, ep_size=2)).total == 0
+
+
+@pytest.mark.parametrize("config", [ModelConfig(**_SMALL), *EP_CONFIGS])
+def test_zero3_gathers_its_largest_module_with_every_expert(config: ModelConfig) -> None:
+    """ZeRO-3 gathers a module while it runs; the MoE layer is one leaf, so all E experts at once: the largest of
+    the real model's embedding, head, attention and FFN / MoE layer, and as many bytes of its unsharded gradients."""
+    model = Transformer(config)
+    modules = [model.embed, model.lm_head, *(m for block in model.blocks for m in (block.attn, block.ffn))]
+    largest = max(sum(p.numel() for p in module.parameters()) for module in modules)
+    for precision, p in (("fp32", 4), ("bf16", 2)):
+        transient = sharding_transient_bytes(config, RunShape(precision=precision, zero_stage=3, dp_size=8))
+        assert transient.gathered == transient.gradients == largest * p and transient.reduce_scatter == 0
+
+
+def test_format_ledger_prints_the_fsdp_and_hsdp_layouts() -> None:
+    config = EP_CONFIGS[0]
+    text = format_ledger(config, _fsdp(8, ep=2, precision="bf16"))
+    table = text.split("Training state per rank")[1].split("\n\n")[0]
+    assert "FSDP2 over W=8 ranks, experts over EP=2 × W/EP = 4 expert-data-parallel" in table
+    transient = sharding_transient_bytes(config, _fsdp(8, ep=2, precision="bf16"))
+    for row, value in (("gathered", transient.gathered), ("reduce-scatter", transient.reduce_scatter)):
+        assert re.search(rf"{row}\s+{re.escape(_human(value, 'B'))}", table), row
+    assert not any(line.split()[0] == "master" for line in table.splitlines()[1:]), "FSDP's weights are the master"
+    assert "in either precision" in table
+    hsdp = format_ledger(config, _fsdp(8, ep=2, replicas=2)).split("Training state per rank")[1].split("\n\n")[0]
+    assert "HSDP: 2 replicas × shards over W/R = 4 of W=8 ranks" in hsdp and "non-expert / 4, routed / W" in hsdp
+    hsdp = format_ledger(config, _fsdp(8, replicas=2)).split("Training state per rank")[1].split("\n\n")[0]
+    assert "non-expert / 4, routed / 4" in hsdp, "without EP the experts are sharded like the rest"
+
+
+def test_layouts_that_do_not_exist_are_refused() -> None:
+    config = EP_CONFIGS[0]
+    with pytest.raises(ValueError, match="replicate_size=3"):
+        training_state_bytes_per_rank(config, _fsdp(8, replicas=3))
+    with pytest.raises(ValueError, match="replicate_size=2 needs fsdp"):
+        training_state_bytes_per_rank(config, RunShape(dp_size=8, replicate_size=2))
+    with pytest.raises(ValueError, match="fsdp shards everything"):
+        training_state_bytes_per_rank(config, RunShape(dp_size=8, zero_stage=2, fsdp=True))
