@@ -12,8 +12,10 @@ starts a real run with MOE_FAULTS set and checks what survives. MOE_FAULTS is a 
 
 Points the runtime passes: `forward`, `backward`, `step_end` (trainer: inside step N, after its optimizer step),
 and `checkpoint_write`, `checkpoint_rename`, `checkpoint_pointer` (checkpoint/checkpointer.py: before this rank writes
-its files, before the directory is renamed complete, between that rename and the `latest` pointer). `step` is the
-optimizer step being run (1-based) or the step of the checkpoint being written. `rank` is the launcher's RANK.
+its files, before the directory is renamed complete, between that rename and the `latest` pointer), and
+`checkpoint_shards` (checkpoint/sharded.py: inside a DCP save, after this rank's shard file is written and before
+DCP's index). `step` is the optimizer step being run (1-based) or the step of the checkpoint being written. `rank` is
+the launcher's RANK.
 """
 
 import errno

@@ -22,6 +22,10 @@ copy). `Checkpointer.load` then verifies the first one's checksums and scans its
 falls back to the next on a mismatch, and only then lets Accelerate and DeepSpeed open anything: DeepSpeed unpickles
 its shards with weights_only=False, so a file that is not what was saved never reaches it. ZeRO shards written at
 another world or EP size load through their universal copy (layout.py says when, universal.py how).
+
+FSDP runs: Accelerate holds none of their state but the RNG, so its files are the RNG states alone, and `dcp/` holds
+every rank's shards (sharded.py). Between an FSDP run and a DDP or single-process one (either way) Accelerate loads
+only the RNG states and the part that reads the other format converts (`CheckpointPart.reads`).
 """
 
 import errno
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from accelerate import Accelerator
+from accelerate.checkpointing import load_accelerator_state
 from accelerate.utils import gather_object
 
 from moe_platform import faults
@@ -51,7 +56,7 @@ from moe_platform.checkpoint.catalog import (
     step_of,
 )
 from moe_platform.checkpoint.errors import CheckpointError, CheckpointWriteError
-from moe_platform.checkpoint.layout import CheckpointLayout
+from moe_platform.checkpoint.layout import DCP, CheckpointLayout
 from moe_platform.checkpoint.universal import (
     UNIVERSAL_DIRNAME,
     convert_zero_shards,
@@ -72,8 +77,10 @@ RETRY_BACKOFF_S = 1.0
 
 
 class CheckpointPart(Protocol):
-    """State a run keeps in its own files beside Accelerate's (expert shards, a universal copy): written into the
-    checkpoint directory after Accelerate's save_state, read after its load_state."""
+    """State a run keeps in its own files beside Accelerate's (expert shards, a universal copy, DCP shards): written
+    into the checkpoint directory after Accelerate's save_state, read after its load_state. `load` is called for
+    checkpoints of the run's own format (`CheckpointLayout.format`) unless the part names the formats it reads in a
+    `reads` attribute (sharded.py's convert between DCP shards and Accelerate's files)."""
 
     def save(self, directory: Path) -> None: ...
 
@@ -246,11 +253,15 @@ class Checkpointer:
         saved.check_resumable_as(self.layout, checkpoint)
         universal = saved.needs_universal_load(self.layout)
         path = self._universal_copy(checkpoint) if universal else checkpoint
-        self.accelerator.load_state(str(path))
+        if saved.format == self.layout.format or self.layout.format == DCP:
+            self.accelerator.load_state(str(path))  # under FSDP Accelerate holds the RNG states alone
+        else:  # DCP shards into a DDP or single-process run: Accelerate's model and optimizer files are not there
+            load_accelerator_state(str(path), [], [], [], [], self.accelerator.process_index, map_location="cpu")
         if universal:
             restore_buffers(self.accelerator.deepspeed_engine_wrapped.engine.module, path)
         for part in self.parts:
-            part.load(path)
+            if saved.format in getattr(part, "reads", (self.layout.format,)):
+                part.load(path)
         self._load_trainer_state(checkpoint)
         self.resumed_from = checkpoint
         return checkpoint

@@ -1,5 +1,6 @@
 """One fp32 state dict of the whole model from any checkpoint: ZeRO shards, a universal copy, a plain model file,
-expert shards by global id. Nothing is opened before the checkpoint's files match their manifest."""
+expert shards by global id, an FSDP run's DCP shards. Nothing is opened before the checkpoint's files match their
+manifest."""
 
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import torch
 from moe_platform.checkpoint import manifest
 from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.checkpoint.experts import consolidated_experts
-from moe_platform.checkpoint.layout import CheckpointLayout
+from moe_platform.checkpoint.layout import DCP, CheckpointLayout
+from moe_platform.checkpoint.sharded import model_state_dict
 from moe_platform.checkpoint.universal import DEEPSPEED_TAG, state_dict_from_universal
 
 
@@ -24,12 +26,15 @@ def verify_checkpoint(checkpoint: Path) -> None:
 
 
 def export_fp32_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """One fp32 state dict of the whole model, whether the checkpoint holds ZeRO shards or a plain model file."""
+    """One fp32 state dict of the whole model, whether the checkpoint holds ZeRO shards, DCP shards (read whole in
+    this process, no process group needed) or a plain model file."""
     checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint)
     layout = CheckpointLayout.read(checkpoint)
     zero_shards = (checkpoint / DEEPSPEED_TAG).is_dir()
-    if zero_shards and layout.expert_parallel_size > 1:
+    if layout.format == DCP:
+        state = model_state_dict(checkpoint)
+    elif zero_shards and layout.expert_parallel_size > 1:
         # Measured with deepspeed 0.19.8: zero_to_fp32 reads every rank's expert partition as one tensor's.
         state = state_dict_from_universal(checkpoint)
     elif zero_shards:

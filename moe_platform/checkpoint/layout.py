@@ -4,6 +4,13 @@ ZeRO shards are partitioned for the world size (and expert-parallel size) that w
 checkpoints hold whole tensors (experts by global id, checkpoint/experts.py) and load at any layout of the same kind.
 ZeRO-1/2 shards load at another world or EP size through DeepSpeed's universal copy (checkpoint/universal.py);
 ZeRO-3 only at its own world size (`check_resumable_as` says why).
+
+FSDP (and HSDP) checkpoints are DCP's (checkpoint/sharded.py): every tensor under its global shape, experts [E, …]
+by global id, so they load at any world size, EP size or replicate size, and into DDP or one process; an FSDP run
+loads a DDP or single-process checkpoint the same way, each rank keeping its shard of the whole tensors. Both sides
+hold the same state (fp32 weights, AdamW's moments and step per parameter, buffers, RNG, data position), so such a
+resume continues as a resize within either kind does: only the order of floating-point reductions changes.
+DeepSpeed's ZeRO shards and these do not load into each other (`check_resumable_as`): moe-export bridges them.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from moe_platform.checkpoint.universal import DEEPSPEED_TAG, UNIVERSAL_DIRNAME
 from moe_platform.config import DistributedConfig
 
 LAYOUT_FILE = "layout.json"
+# How a checkpoint's model and optimizer state are stored (`CheckpointLayout.format`).
+ACCELERATE, DCP, DEEPSPEED = "accelerate", "dcp", "deepspeed"
 
 
 @dataclass(frozen=True)
 class CheckpointLayout:
     """The sharding a checkpoint was written with (or a run would write with)."""
 
-    strategy: str  # distributed.strategy: single, ddp or deepspeed
+    strategy: str  # distributed.strategy: single, ddp, fsdp or deepspeed
     zero_stage: int  # DeepSpeed's ZeRO stage; 0 for any other strategy
     world_size: int
     expert_parallel_size: int
@@ -71,6 +80,12 @@ class CheckpointLayout:
         return self.strategy == "deepspeed"
 
     @property
+    def format(self) -> str:
+        """How the state is stored: DCP (FSDP: every rank's shards through torch.distributed.checkpoint,
+        sharded.py), DEEPSPEED (ZeRO's files) or ACCELERATE (Accelerate's whole-tensor files)."""
+        return {"fsdp": DCP, "deepspeed": DEEPSPEED}.get(self.strategy, ACCELERATE)
+
+    @property
     def zero_sharded(self) -> bool:
         """Optimizer state (and from stage 3 the weights) split over the ranks that wrote it."""
         return self.deepspeed and self.zero_stage >= 1
@@ -79,9 +94,11 @@ class CheckpointLayout:
         """Refuse, in one sentence, to load this checkpoint (at `path`) into a run of the `current` layout: the same
         kind of engine, ZeRO shards into the same stage, and re-partitioning only where it continues exactly."""
         if self.deepspeed != current.deepspeed:
+            kind = "distributed=zero1/zero2/zero3" if self.deepspeed else "distributed=single, ddp, fsdp or hsdp"
             raise CheckpointError(
-                f"{path} was saved with distributed.strategy={self.strategy} but this job uses {current.strategy}: "
-                "resume with the same kind of strategy, or export it with moe-export"
+                f"{path} was saved with distributed.strategy={self.strategy} but this job uses {current.strategy}, "
+                f"and ZeRO shards and the other strategies' checkpoints do not load into each other: resume with "
+                f"{kind}, or moe-export the weights and start from them with init.from_path"
             )
         if self.deepspeed and self.zero_stage != current.zero_stage:
             raise CheckpointError(

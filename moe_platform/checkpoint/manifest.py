@@ -5,9 +5,10 @@ Two checks use it, cheapest first:
   * `check_files` (every rank, before any process group): each listed file exists with its recorded size — a
     truncated copy, a save cut short or a missing shard is caught by a `stat`, before the job commits to it.
   * `verify` (collective, before anything is loaded): the checksums, each file hashed by one rank (`shard`), and
-    every pickle scanned for the globals it would call (`unsafe_globals`). DeepSpeed's shards and Accelerate's RNG
-    states are pickles that those libraries unpickle themselves (DeepSpeed with weights_only=False); a file that
-    differs from what was saved, or that names anything outside `SAFE_GLOBALS`, is refused before it is opened.
+    every pickle scanned for the globals it would call (`unsafe_globals`). DeepSpeed's shards, Accelerate's RNG
+    states and DCP's index (`dcp/.metadata`) are pickles that those libraries unpickle themselves (DeepSpeed with
+    weights_only=False, DCP with pickle.load); a file that differs from what was saved, or that names anything
+    outside `SAFE_GLOBALS`, is refused before it is opened.
 """
 
 import hashlib
@@ -23,11 +24,15 @@ from typing import Any
 MANIFEST = "manifest.json"
 FORMAT = 1
 PICKLE_SUFFIXES = (".pt", ".bin", ".pkl")
+# DCP's index (checkpoint/sharded.py), which torch's FileSystemReader.read_metadata unpickles with pickle.load. Its
+# .distcp chunks are torch.save files that DCP loads with weights_only=True.
+PICKLE_NAMES = (".metadata",)
 _CHUNK = 8 << 20
 
 # What the pickles in our checkpoints call, measured (torch 2.13, numpy 2, deepspeed 0.19.8, accelerate 1.15):
-# tensor and storage rebuilders, numpy arrays in the RNG states, and three small DeepSpeed types in its ZeRO
-# optimizer state. Anything else (os.system, builtins.eval, subprocess.Popen, …) is refused.
+# tensor and storage rebuilders, numpy arrays in the RNG states, three small DeepSpeed types in its ZeRO optimizer
+# state, and the dataclasses of DCP's index (with torch's layout lookup by name; sharded.py keeps the Path it was
+# written at out of it). Anything else (os.system, builtins.eval, subprocess.Popen, …) is refused.
 SAFE_GLOBALS = {
     "collections": {"OrderedDict"},
     "_codecs": {"encode"},
@@ -40,7 +45,13 @@ SAFE_GLOBALS = {
     "deepspeed.runtime.fp16.loss_scaler": {"LossScaler", "DynamicLossScaler"},
     "deepspeed.runtime.zero.config": {"ZeroStageEnum"},
     "deepspeed.utils.tensor_fragment": {"fragment_address"},
-}
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+}  # fmt: skip
 _TORCH_DTYPES = {
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
 }  # fmt: skip
@@ -126,7 +137,7 @@ def verify_share(directory: Path, names: Iterable[str]) -> list[str]:
             if sha256(path) != manifest["files"][name]["sha256"]:
                 problems.append(f"{path} differs from the checksum in its manifest (corrupted or replaced)")
                 continue
-            if path.suffix in PICKLE_SUFFIXES:
+            if path.suffix in PICKLE_SUFFIXES or path.name in PICKLE_NAMES:
                 unsafe = unsafe_globals(path)
                 if unsafe:
                     problems.append(f"{path} would call {', '.join(sorted(unsafe))} when unpickled: refused")
@@ -140,21 +151,29 @@ def unsafe_globals(path: Path) -> set[str]:
     reading its opcodes, so nothing in it runs. A global whose name cannot be read statically counts as unsafe."""
     unsafe = set()
     for data in _pickles(path):
-        strings: list[str] = []
+        # What the last two pushes put on the stack (a string, or None for anything else), and the memo's strings:
+        # STACK_GLOBAL takes the two values pushed right before it, which a pickler may fetch back from the memo
+        # (DCP's index names `torch` once and gets it again for every dtype).
+        pushed: list[str | None] = []
+        memo: dict[int, str | None] = {}
         try:
             for opcode, arg, _ in pickletools.genops(io.BytesIO(data)):
                 if opcode.name in ("GLOBAL", "INST"):
                     module, name = arg.split(" ", 1) if " " in arg else arg.split("\n", 1)
                     _add_if_unsafe(unsafe, module, name)
                 elif opcode.name == "STACK_GLOBAL":
-                    if len(strings) < 2:
+                    if len(pushed) < 2 or None in pushed[-2:]:
                         unsafe.add("<a global built at load time>")
                     else:
-                        _add_if_unsafe(unsafe, strings[-2], strings[-1])
-                if isinstance(arg, str) and "UNICODE" in opcode.name:
-                    strings.append(arg)
-                elif opcode.name not in ("MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):
-                    strings.clear()  # STACK_GLOBAL may only take the two strings pushed right before it
+                        _add_if_unsafe(unsafe, pushed[-2], pushed[-1])
+                if opcode.name == "MEMOIZE":
+                    memo[len(memo)] = pushed[-1] if pushed else None
+                elif opcode.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[arg] = pushed[-1] if pushed else None
+                elif opcode.name in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed = [*pushed[-1:], memo.get(arg)]
+                elif opcode.name not in ("PROTO", "FRAME"):  # the two that leave the stack alone
+                    pushed = [*pushed[-1:], arg if isinstance(arg, str) and "UNICODE" in opcode.name else None]
         except Exception as err:  # a malformed pickle is not loaded either
             unsafe.add(f"<unreadable pickle: {err}>")
     return unsafe
