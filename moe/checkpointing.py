@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "moe", "full")
@@ -45,5 +46,11 @@ def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractC
 
 
 def recompute_in_backward(function: Callable[..., Any], *args: Any) -> Any:
-    """function(*args), keeping only `args` for backward and running `function` again there."""
+    """function(*args), keeping only `args` for backward and running `function` again there.
+
+    Inside torch.compile the checkpoint is traced into the compiled graph, whose backward recomputes the tensors
+    the gradients need and none of the Python side effects, so `is_recomputing` has nothing to guard there; and
+    Dynamo refuses a `context_fn` (measured, torch 2.13: a block compiled without a graph break failed)."""
+    if torch.compiler.is_compiling():
+        return checkpoint(function, *args, use_reentrant=False)
     return checkpoint(function, *args, use_reentrant=False, context_fn=_contexts)

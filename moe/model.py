@@ -75,7 +75,11 @@ class Block(nn.Module):
                 moe_output = recompute_in_backward(self._moe_ffn, x_BTD, token_mask_BT)
             else:
                 moe_output = self._moe_ffn(x_BTD, token_mask_BT)
-            return x_BTD + self.residual_dropout(moe_output.output), moe_output
+            # The layer's output reaches the loss through the residual only; the record handed on (aux terms,
+            # statistics) keeps a detached copy: FSDP2 hooks every tensor a sharded block returns, and warns at this
+            # one, a view of the layer's output.
+            out_BTD = moe_output.output
+            return x_BTD + self.residual_dropout(out_BTD), moe_output._replace(output=out_BTD.detach())
         return x_BTD + self.residual_dropout(self.ffn(self.ffn_norm(x_BTD))), None
 
     def _moe_ffn(self, x_BTD: torch.Tensor, token_mask_BT: torch.Tensor | None) -> MoEOutput:

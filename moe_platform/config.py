@@ -46,6 +46,22 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _changed(node, prefix: str, names: tuple[str, ...] | None = None) -> list[str]:
+    """`prefix.key=value`, spelled as on the command line, for each field of dataclass `node` (of `names`, or all of
+    them) that differs from its default: the keys a refusal names."""
+    spelled = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if (names is None or f.name in names) and value != f.default:
+            spelled.append(f"{prefix}{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+    return spelled
+
+
+def _these(keys: list[str], one: str, several: str) -> str:
+    """'<keys joined by and> <one or several>': the subject and verb of a refusal naming one key or more."""
+    return f"{' and '.join(keys)} {one if len(keys) == 1 else several}"
+
+
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup then cosine/linear decay to min_lr_ratio·lr, or constant."""
@@ -133,10 +149,12 @@ class DistributedConfig:
         )
         _require(self.zero_stage in (0, 1, 2, 3), f"distributed.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.strategy == "fsdp":
+            deepspeed = _changed(self, "distributed.", ("zero_stage", "offload_optimizer", "offload_params"))
             _require(
-                self.zero_stage == 0 and not self.offload_optimizer and not self.offload_params,
-                "distributed.zero_stage/offload_optimizer/offload_params are DeepSpeed's, but distributed.strategy="
-                "fsdp shards everything already: drop them, and offload with distributed.fsdp.cpu_offload=true",
+                not deepspeed,
+                f"{_these(deepspeed, 'is', 'are')} DeepSpeed's, but distributed.strategy=fsdp shards parameters, "
+                f"gradients and optimizer state already: drop {'it' if len(deepspeed) == 1 else 'them'} (FSDP2 "
+                "offloads with distributed.fsdp.cpu_offload=true)",
             )
         elif self.strategy != "deepspeed":
             _require(
@@ -144,10 +162,11 @@ class DistributedConfig:
                 f"distributed.zero_stage/offload need distributed.strategy=deepspeed, not {self.strategy!r}: "
                 "pick distributed=zero1/zero2/zero3/zero3_offload",
             )
+        fsdp_keys = _changed(self.fsdp, "distributed.fsdp.")
         _require(
-            self.strategy == "fsdp" or self.fsdp == FSDPConfig(),
-            f"distributed.fsdp.* sets FSDP2 up but distributed.strategy={self.strategy!r}: use distributed=fsdp or "
-            "distributed=hsdp, or drop the distributed.fsdp keys",
+            self.strategy == "fsdp" or not fsdp_keys,
+            f"{_these(fsdp_keys, 'sets', 'set')} FSDP2 up but distributed.strategy={self.strategy!r}: use "
+            f"distributed=fsdp or distributed=hsdp, or drop {'it' if len(fsdp_keys) == 1 else 'them'}",
         )
         _require(
             not self.offload_optimizer or self.zero_stage >= 1,
@@ -457,7 +476,7 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
     )
     _require(
         not (config.distributed.fsdp.cpu_offload and not has_gpu),
-        "distributed.fsdp.cpu_offload moves the shards from GPU to host memory, but there is no GPU: "
+        "distributed.fsdp.cpu_offload=true moves the shards from GPU to host memory, but there is no GPU: "
         "set distributed.fsdp.cpu_offload=false",
     )
     return config.run_shape(world_size).grad_accum

@@ -2,6 +2,7 @@
 * `moe_train` runs the real `moe-train` CLI in one process, or in N gloo processes through torchrun/accelerate;
 * `start_moe_train`, `wait_for_logged_step`, `worker_pids` act on a run while it trains (signals, preemption);
 * `assert_resumes_exactly` states the resume property (every step once, the uninterrupted run's losses) for `Job`s;
+* `assert_trains_like` states the layout property (another world size, EP or sharding logs the same training);
 * `run_distributed` runs one test function in N processes joined by a gloo group, all on 127.0.0.1;
 * `finished_wandb_files` reads wandb's offline run files back, once wandb has finished writing them;
 * `first_batch_loss` / `lm_loss_on_the_first_batch`: the loss a run's step 1 should log, computed outside it."""
@@ -252,6 +253,30 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     return train, evals
 
 
+def assert_trains_like(
+    run_dir: Path, reference: Path, steps: list[int] | None = None, rel: float = 1e-5
+) -> dict[int, dict]:
+    """`run_dir` logged the training `reference` logged, at each of `steps` (default: every step of the reference),
+    as another layout of the same run must (more ranks, experts split, parameters sharded): loss, grad norm and aux
+    loss within `rel` (only the order of floating-point reductions differs) and each MoE layer's tokens per expert
+    exactly (every token is routed alike). Returns run_dir's training records."""
+    import pytest
+
+    def counts(record: dict) -> list[str]:
+        return sorted(key for key in record if key.startswith("moe/layer_") and key.endswith("/tokens_per_expert"))
+
+    train, want = read_metrics(run_dir)[0], read_metrics(reference)[0]
+    for step in steps or sorted(want):
+        got, ref = train[step], want[step]
+        assert got["loss"] == pytest.approx(ref["loss"], rel=rel, abs=rel), step
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), step
+        assert got["aux_loss"] == pytest.approx(ref["aux_loss"], rel=rel, abs=1e-7), step
+        assert counts(got) == counts(ref), step
+        for key in counts(ref):
+            assert got[key] == ref[key], (step, key)
+    return train
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
     """`fn(rank, world_size, *args)` in `world_size` fresh processes that share a gloo process group on 127.0.0.1;
     returns each rank's return value, in rank order. A rank's exception fails the call with that rank's traceback;
@@ -391,8 +416,9 @@ def lm_loss_on_the_first_batch(logits_of: Callable, config) -> float:
     return float(torch.stack(losses).mean())
 
 
-def first_batch_loss(run_dir: Path) -> float:
-    """The LM loss of a run's newest saved model on the first global batch a fresh run with its config trains on."""
+def first_batch_loss(run_dir: Path, data_of: Path | None = None) -> float:
+    """The LM loss of a run's newest saved model on the first global batch a fresh run with its config trains on,
+    or with the config of the run in `data_of` (one started from that model with other data settings)."""
     from moe import Transformer
     from moe_platform.checkpoint.catalog import latest_checkpoint
     from moe_platform.checkpoint.consolidate import export_fp32_state_dict
@@ -402,4 +428,6 @@ def first_batch_loss(run_dir: Path) -> float:
     config = load_run_config(checkpoint / "config.yaml")
     model = Transformer(config.model)
     model.load_state_dict(export_fp32_state_dict(checkpoint), strict=True)
+    if data_of is not None:
+        config = load_run_config(Path(data_of) / "config.yaml")
     return lm_loss_on_the_first_batch(lambda input_ids: model(input_ids).logits, config)

@@ -4,7 +4,8 @@ The source's model config must be the run's `model.*` (a contradiction is refuse
 load exactly; with `init.upcycle=true` the source is dense and `upcycle.py` turns its FFNs into the run's experts.
 Loading happens in `train/model_build.py`, after the model is built and before anything wraps or shards it: expert
 parallelism (`expert_parallel.attach`) slices the full experts afterwards, and under ZeRO-3 each parameter is
-gathered, filled and partitioned again.
+gathered, filled and partitioned again. Under FSDP the model is built sharded, and each tensor is read and handed to
+a filler that keeps this rank's shard.
 
 A Hugging Face directory is read in two steps (interop/hf/): `adopt_source_model` reads config.json alone, so the
 memory check that follows it runs before anything large is read; `initial_state_dict` then gives a lazy state
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from moe import ModelConfig
+from moe.expert_parallel import is_expert_parameter
 from moe_platform.checkpoint.catalog import latest_checkpoint
 from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.checkpoint.errors import CheckpointError
@@ -158,12 +160,14 @@ def load_initial_weights(
     state: Mapping[str, torch.Tensor],
     partitioned: bool,
     local_experts: range | None = None,
+    fill: Callable[[str, torch.Tensor], None] | None = None,
 ) -> None:
     """Copy `state` into `model` exactly (strict: no key missing or extra, every shape equal), one tensor at a time.
     Partitioned (ZeRO-3) parameters are gathered one at a time and partitioned again with the values every rank
     copied. A LazyStateDict is read here, tensor by tensor, its experts one expert at a time; with `local_experts`
     (this rank's block under expert parallelism) only those rows of each expert tensor are read and filled, since
-    `shard_experts` keeps only them."""
+    `shard_experts` keeps only them. A model already sharded (FSDP, train/materialize.py) is filled through
+    `fill(name, whole tensor or this rank's expert rows)`, which keeps this rank's shard of it."""
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -174,23 +178,35 @@ def load_initial_weights(
         )
     for name, p in model.named_parameters():
         shape = tuple(getattr(p, "ds_shape", p.shape))
+        if fill is not None and local_experts is not None and is_expert_parameter(name):
+            shape = (model.config.moe.num_experts, *shape[1:])  # sharded: p holds this rank's block of experts
         expert_rows = state.expert_rows(name) if isinstance(state, LazyStateDict) else None
         if expert_rows is not None:  # [E, …]: the count now, each expert's shape as it is read
             _check_shape(name, (expert_rows.num_experts, *shape[1:]), shape)
+            experts = local_experts if local_experts is not None else range(expert_rows.num_experts)
+            if fill is not None:
+                fill(name, torch.cat([expert_rows.read(e, e + 1) for e in experts]))
+                continue
             with _gathered(p, partitioned):
-                for e in local_experts if local_experts is not None else range(expert_rows.num_experts):
+                for e in experts:
                     rows = expert_rows.read(e, e + 1)  # one expert: [1, D, F] or [1, F, D]
                     _check_shape(name, (expert_rows.num_experts, *rows.shape[1:]), shape)
                     p.data[e : e + 1].copy_(rows)
             continue
         tensor = state[name]
         _check_shape(name, tuple(tensor.shape), shape)
-        with _gathered(p, partitioned):
-            p.data.copy_(tensor)
+        if fill is not None:
+            fill(name, tensor)
+        else:
+            with _gathered(p, partitioned):
+                p.data.copy_(tensor)
         del tensor  # a lazy source's read: freed before the next one is read
     for name, buffer in model.named_buffers():
         if name in state:  # non-persistent buffers (RoPE tables) are not in a state dict
-            buffer.copy_(state[name])
+            if fill is not None:
+                fill(name, state[name])
+            else:
+                buffer.copy_(state[name])
 
 
 def _check_shape(name: str, source: tuple[int, ...], model: tuple[int, ...]) -> None:

@@ -18,6 +18,8 @@ With `init.from_path` the source's weights are copied in after the build; a Hugg
 by tensor, and under expert parallelism each rank reads only the expert rows of its own block (interop/init_from.py).
 """
 
+from collections.abc import Callable
+
 import torch
 from accelerate import Accelerator
 
@@ -26,6 +28,7 @@ from moe.expert_parallel import ExpertParallel
 from moe_platform.config import TrainConfig
 from moe_platform.interop.init_from import initial_state_dict, load_initial_weights
 from moe_platform.parallel.accelerator import register_moe_leaf_modules
+from moe_platform.train.materialize import build_meta, materialize
 from moe_platform.train.seeding import seed_initial_weights, seed_noise_streams
 
 
@@ -34,18 +37,31 @@ def builds_partitioned(config: TrainConfig) -> bool:
     return config.distributed.strategy == "deepspeed" and config.distributed.zero_stage == 3
 
 
-def build_model(config: TrainConfig, accelerator: Accelerator) -> Transformer:
+def build_model(
+    config: TrainConfig, accelerator: Accelerator, shard: Callable[[Transformer], None] | None = None
+) -> Transformer:
     """The seeded model for `accelerator.prepare`: the same initial weights on every rank (and under every
     strategy), then this rank's own noise stream. Under ZeRO-3 the parameters come back already partitioned
-    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. With `init.from_path` the
-    weights are then replaced by the source's (or its upcycled ones), whole but for the expert rows of other EP
-    ranks, which a Hugging Face source does not read, before expert parallelism slices them."""
+    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. Under FSDP `shard` (the
+    strategy's sharding, collective) is applied to the structure on the meta device, and each rank's shards are
+    then filled with the plain build's values (train/materialize.py). With `init.from_path` the weights are then
+    replaced by the source's (or its upcycled ones), whole but for the expert rows of other EP ranks, which a
+    Hugging Face source does not read, before expert parallelism slices them."""
     initial_state = initial_state_dict(config)  # first: a bad source fails before any collective
-    seed_initial_weights(config.trainer.seed)
-    if builds_partitioned(config):
+    if shard is not None:
+        model = build_meta(config)
+        shard(model)
+        seed_initial_weights(config.trainer.seed)  # where a plain build starts drawing
+        local = _local_experts(config, accelerator.process_index)
+        filler = materialize(model, config, accelerator.device, local)
+        if initial_state is not None:
+            load_initial_weights(model, initial_state, partitioned=False, local_experts=local, fill=filler.fill)
+    elif builds_partitioned(config):
+        seed_initial_weights(config.trainer.seed)
         model = _build_partitioned(config, accelerator, initial_state)
         register_moe_leaf_modules(model)
     else:
+        seed_initial_weights(config.trainer.seed)
         model = Transformer(config.model)
         if initial_state is not None:
             local = _local_experts(config, accelerator.process_index)

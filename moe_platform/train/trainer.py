@@ -38,7 +38,6 @@ from accelerate import Accelerator
 
 from data_pipeline import build_loaders
 from moe import format_ledger, matmul_flops_per_token
-from moe.ledger import params_per_rank, training_state_bytes_per_rank
 from moe.moe_layer import update_balancing_biases
 from moe.stats import MoEStats
 from moe_platform import faults
@@ -46,9 +45,11 @@ from moe_platform.checkpoint.checkpointer import Checkpointer, CheckpointPart
 from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.checkpoint.experts import ExpertCheckpoint
 from moe_platform.checkpoint.layout import CheckpointLayout
+from moe_platform.checkpoint.sharded import ShardedState, ShardedStateReader
 from moe_platform.checkpoint.universal import UniversalExpertCopy
 from moe_platform.config import TrainConfig
 from moe_platform.monitor.alerts import RoutingAlerts
+from moe_platform.monitor.footprint import Footprint
 from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak
 from moe_platform.monitor.progress import Progress
@@ -170,10 +171,11 @@ class Trainer:
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
             )
-        model = build_model(config, accelerator)  # seeds first: loading the data may have drawn on a rank
-        faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self._fsdp = config.distributed.strategy == "fsdp"
+        # FSDP builds the model sharded (train/materialize.py); seeds first: loading the data may have drawn on a rank
+        model = build_model(config, accelerator, shard=self._shard_fsdp if self._fsdp else None)
+        faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self.model, self.optimizer = self._parallelize(model)
         # The module inside the engine, looked up once: Accelerate's unwrap_model reads package metadata on every
         # call (is_deepspeed_available), ~1% of a ZeRO-2 step when done per step.
@@ -201,25 +203,33 @@ class Trainer:
         )
         self.tokens_per_step = config.data.global_batch_size * config.data.seq_len
         self.run_shape = config.run_shape(accelerator.num_processes)  # the ledger's view: start, footprint, end
+        engine = self.model if self._deepspeed else None  # what each rank holds: measured at the first log
+        self.footprint = Footprint(
+            self.module, self._base_optimizer(), accelerator, config.model, self.run_shape, engine
+        )
         # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
         self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
 
-    def _parallelize(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Collective: split the experts over EP ranks (if asked), then shard or replicate the model as the strategy
-        says and build the optimizer on what this rank holds. FSDP2 shards the model itself, so Accelerate prepares
-        neither model nor optimizer then (parallel/fsdp.py says why)."""
+    def _shard_fsdp(self, model: torch.nn.Module) -> None:
+        """Collective: FSDP2's meshes, this rank's expert block, `fully_shard` (on the meta device: build_model)."""
         dist = self.config.distributed
+        self.meshes = fsdp.build_meshes(self.accelerator.device.type, dist.fsdp.replicate_size,
+                                        dist.expert_parallel_size)  # fmt: skip
+        policy = fsdp.ShardingPolicy(
+            dist.fsdp.reshard_after_forward, self.config.trainer.precision == "bf16", dist.fsdp.cpu_offload
+        )
+        fsdp.shard_model(model, self.meshes, policy)
+
+    def _parallelize(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Collective: split the experts over EP ranks (if asked), then replicate or ZeRO-shard the model as the
+        strategy says and build the optimizer on what this rank holds. Under FSDP2 the model came sharded from
+        build_model, and Accelerate prepares neither model nor optimizer (parallel/fsdp.py says why)."""
         if self._fsdp:
-            self.meshes = fsdp.build_meshes(self.accelerator.device.type, dist.fsdp.replicate_size,
-                                            dist.expert_parallel_size)  # fmt: skip
             self.expert_groups = self.meshes.expert_groups
-            policy = fsdp.ShardingPolicy(
-                dist.fsdp.reshard_after_forward, self.config.trainer.precision == "bf16", dist.fsdp.cpu_offload
-            )
-            fsdp.shard_model(model, self.meshes, policy)
             return model, self._build_optimizer(model)
         self.meshes = None
-        self.expert_groups = expert_parallel.attach(model, dist.expert_parallel_size, self._deepspeed)
+        ep_size = self.config.distributed.expert_parallel_size
+        self.expert_groups = expert_parallel.attach(model, ep_size, self._deepspeed)
         return self.accelerator.prepare(model, self._build_optimizer(model))
 
     # ---- the loop ------------------------------------------------------------------------------------------------
@@ -304,6 +314,7 @@ class Trainer:
                 self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss))
                 if self.accelerator.sync_gradients:  # the last micro-batch: only here is there a step to take
                     grad_norm = self._clip_gradients()
+                    self.footprint.measure_gradients()  # the first step's, before the step frees them
                     applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
                     if applied:
                         self.optimizer.step()
@@ -321,16 +332,18 @@ class Trainer:
         return lm_loss, aux_loss, grad_norm, stats, applied
 
     def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
-        """What checkpoints hold beside Accelerate's files: experts by global id (any strategy but DeepSpeed), or
-        under DeepSpeed with EP the universal copy and the experts restored into the module on load."""
+        """What checkpoints hold beside Accelerate's files: under FSDP every rank's shards through DCP; experts by
+        global id (DDP, single), and there the reader of an FSDP run's DCP shards; or under DeepSpeed with EP the
+        universal copy and the experts restored into the module on load."""
         if self._fsdp:
-            return []  # TODO(checkpoint): DCP
-        if self.config.model.moe is not None and not self._deepspeed:
-            ep = self.expert_groups.expert_parallel if self.expert_groups is not None else None
-            return [ExpertCheckpoint(model, self._base_optimizer(), ep, self.accelerator)]
-        if self.expert_groups is not None:
-            return [UniversalExpertCopy(self.model)]
-        return []
+            return [ShardedState(model, self.optimizer, self.meshes.experts)]
+        if self._deepspeed:
+            return [UniversalExpertCopy(self.model)] if self.expert_groups is not None else []
+        ep = self.expert_groups.expert_parallel if self.expert_groups is not None else None
+        parts: list[CheckpointPart] = [ShardedStateReader(model, self._base_optimizer(), ep)]
+        if self.config.model.moe is not None:
+            parts.insert(0, ExpertCheckpoint(model, self._base_optimizer(), ep, self.accelerator))
+        return parts
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """AdamW; under DeepSpeed with EP the experts get their own parameter groups (parallel/deepspeed_experts.py)."""
@@ -412,36 +425,11 @@ class Trainer:
         }
         record.update(reduce_moe_stats(self.accelerator, window.stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
-            record.update(self._footprint_per_rank())
+            record.update(self.footprint.record())  # what each rank holds, beside the ledger
         self.sinks.write(record)
         for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
             self.sinks.write(alert)
         return record
-
-    def _footprint_per_rank(self) -> dict[str, Any]:
-        """Optimizer-state bytes and parameters each rank holds (what ZeRO and EP shard), beside the ledger."""
-        own = sum(
-            t.numel() * t.element_size()
-            for state in self._base_optimizer().state.values()
-            for t in state.values()
-            if torch.is_tensor(t) and t.ndim > 0  # AdamW's m and v; the scalar step counter is not state bytes
-        )
-        per_rank = self.accelerator.gather(torch.tensor([own], device=self.accelerator.device)).tolist()
-        run = self.run_shape
-        # AdamW's m and v are fp32 in every precision here: the fp32 row of the ledger (8 B/param) predicts them.
-        predicted = training_state_bytes_per_rank(
-            self.config.model, "fp32", run.zero_stage, run.dp_size, run.ep_size
-        ).optimizer
-        # Parameters this rank stores: its expert block under EP, its partition (ds_tensor) under ZeRO-3.
-        held = sum(getattr(p, "ds_tensor", p).numel() for p in self.module.parameters())
-        held_per_rank = self.accelerator.gather(torch.tensor([held], device=self.accelerator.device)).tolist()
-        shards = run.dp_size if run.zero_stage == 3 else 1
-        return {
-            "memory/optimizer_state_bytes_per_rank": per_rank,
-            "ledger/optimizer_state_bytes_per_rank": predicted,
-            "memory/params_per_rank": held_per_rank,
-            "ledger/params_per_rank": params_per_rank(self.config.model, run.ep_size) / shards,
-        }
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         """The torch AdamW under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""

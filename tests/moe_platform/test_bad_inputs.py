@@ -103,7 +103,12 @@ CONFIG_CASES = [
         "did you mean model=moe_tiny?",
     ),
     config("unknown_experiment", ["experiment=smok"], "experiment=smok", "did you mean experiment=smoke?"),
-    config("unknown_distributed", ["distributed=zero4"], "distributed=zero4", "the options are ddp, single, zero1"),
+    config(
+        "unknown_distributed",
+        ["distributed=zero4"],
+        "distributed=zero4",
+        "the options are ddp, fsdp, hsdp, single, zero1",
+    ),
     config(
         "added_unknown_key",
         ["+trainer.max_stepz=3"],
@@ -236,7 +241,40 @@ CONFIG_CASES = [
         "ep_with_zero3",
         ["distributed=zero3", "distributed.expert_parallel_size=2"],
         "does not work with ZeRO-3",
-        "use distributed=zero2",
+        "use distributed=fsdp (PyTorch FSDP2), or distributed=zero2",
+    ),
+    # FSDP2 (EP under FSDP takes the same checks as under DDP above: test_configs.py)
+    config(
+        "fsdp_with_deepspeeds_optimizer_offload",
+        ["distributed=fsdp", "distributed.offload_optimizer=true"],
+        "distributed.offload_optimizer=true is DeepSpeed's, but distributed.strategy=fsdp",
+        "drop it (FSDP2 offloads with distributed.fsdp.cpu_offload=true)",
+    ),
+    config(
+        "fsdp_with_deepspeeds_parameter_offload",
+        ["distributed=fsdp", "distributed.zero_stage=3", "distributed.offload_params=true"],
+        "distributed.zero_stage=3 and distributed.offload_params=true are DeepSpeed's",
+        "drop them (FSDP2 offloads with distributed.fsdp.cpu_offload=true)",
+    ),
+    config(
+        "fsdp_keys_with_another_strategy",
+        ["distributed=ddp", "distributed.fsdp.replicate_size=2"],
+        "distributed.fsdp.replicate_size=2 sets FSDP2 up but distributed.strategy='ddp'",
+        "use distributed=fsdp or distributed=hsdp, or drop it",
+    ),
+    config(
+        "hsdp_replicas_not_dividing_ranks",
+        ["distributed=hsdp", "distributed.fsdp.replicate_size=4"],
+        "distributed.fsdp.replicate_size=4 does not divide the 2 ranks",
+        "launch a multiple of it, or change it",
+        env=MULTI_RANK,
+    ),
+    config(
+        "fsdp_cpu_offload_without_gpu",
+        ["distributed=fsdp", "distributed.fsdp.cpu_offload=true"],
+        "distributed.fsdp.cpu_offload=true",
+        "set distributed.fsdp.cpu_offload=false",
+        env=MULTI_RANK | NO_GPU,
     ),
     config("negative_learning_rate", ["optim.lr=-0.001"], "optim.lr=-0.001 must be positive", "e.g. 3e-4"),
     config(

@@ -69,19 +69,27 @@ def test_every_group_option_composes_validates_and_builds(group: str, option: st
         assert ("offload_optimizer" in zero) == dist.offload_optimizer
         assert ("offload_param" in zero) == dist.offload_params
         assert ds["bf16"]["enabled"] == (config.trainer.precision == "bf16")
+    if dist.strategy == "fsdp":  # FSDP2's layout as the ledger and parallel/fsdp.py's meshes take it
+        shape = config.run_shape(world)
+        assert shape.fsdp and shape.zero_stage == 0 and shape.replicate_size == dist.fsdp.replicate_size
+        assert world % dist.fsdp.replicate_size == 0
 
 
-def test_every_distributed_option_reaches_the_deepspeed_assertions() -> None:
+def test_every_distributed_option_reaches_the_deepspeed_or_fsdp_assertions() -> None:
     """The guard this file once had skipped them all with the default batch; name each option that must reach them."""
-    reached = set()
+    reached = {"deepspeed": set(), "fsdp": set()}
     for option in options("distributed"):
         config = compose_config([f"distributed={option}"])
         world = fitting_world_size(config)
         accum = validate_launch(config, world, has_gpu=config.distributed.offload_params)
         if config.distributed.strategy == "deepspeed":
             assert deepspeed_config(config, accum, world)["zero_optimization"]["stage"] == config.distributed.zero_stage
-            reached.add(option)
-    assert reached == {"zero1", "zero2", "zero3", "zero3_offload"}
+        if config.distributed.strategy in reached:
+            reached[config.distributed.strategy].add((option, config.distributed.fsdp.replicate_size))
+    assert reached == {
+        "deepspeed": {("zero1", 1), ("zero2", 1), ("zero3", 1), ("zero3_offload", 1)},
+        "fsdp": {("fsdp", 1), ("hsdp", 2)},  # HSDP: 2 replicas of a shard over W/2 ranks
+    }
 
 
 def test_a_bug_while_building_the_config_keeps_its_traceback(monkeypatch) -> None:
@@ -136,6 +144,16 @@ def test_shapes_of_the_named_presets() -> None:
         (["distributed=zero3", "distributed.expert_parallel_size=2"], "does not work with ZeRO-3"),
         (["distributed.expert_parallel_size=2"], "needs several ranks"),
         (["distributed=ddp", "distributed.expert_parallel_size=0"], "must be >= 1"),
+        (["distributed=fsdp", "distributed.expert_parallel_size=3"], "does not divide model.moe.num_experts=4"),
+        (["distributed=hsdp", "distributed.fsdp.replicate_size=0"], "replicate_size=0 must be >= 1"),
+        (
+            ["distributed=fsdp", "distributed.zero_stage=3", "distributed.offload_params=true"],
+            "distributed.zero_stage=3 and distributed.offload_params=true are DeepSpeed's",
+        ),
+        (
+            ["distributed=zero2", "distributed.fsdp.reshard_after_forward=false"],
+            "distributed.fsdp.reshard_after_forward=false sets FSDP2 up but distributed.strategy='deepspeed'",
+        ),
     ],
 )
 def test_bad_configs_fail_with_one_sentence(overrides: list[str], needle: str) -> None:
@@ -161,6 +179,13 @@ def test_unknown_keys_are_rejected_at_composition() -> None:
             6,
             "does not divide the 6 ranks",
         ),
+        (
+            ["distributed=hsdp", "distributed.expert_parallel_size=4", "data.global_batch_size=48"],
+            6,
+            "expert_parallel_size=4 does not divide the 6 ranks",
+        ),
+        (["distributed=hsdp", "data.global_batch_size=48"], 3, "replicate_size=2 does not divide the 3 ranks"),
+        (["distributed=fsdp", "distributed.fsdp.cpu_offload=true"], 2, "distributed.fsdp.cpu_offload=true"),
     ],
 )
 def test_launch_checks(overrides: list[str], world: int, needle: str) -> None:
