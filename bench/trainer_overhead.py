@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/trainer_overhead.py --rounds 5                  # single, ddp (2 ranks), zero2 (2 ranks)
     .venv/bin/python bench/trainer_overhead.py --rounds 3 --modes ddp --steps 40
+    .venv/bin/python bench/trainer_overhead.py --rounds 3 --modes fsdp,fsdp_ep --steps 40    # FSDP2 (2 ranks)
 
 Each round runs, per mode, both contenders back to back (their order alternates between rounds), launched as users
 launch them: `moe-train` directly (single) or through `torchrun --nproc_per_node=2` on 127.0.0.1 (distributed=ddp,

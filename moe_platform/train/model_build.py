@@ -53,7 +53,9 @@ def build_model(
         shard(model)
         seed_initial_weights(config.trainer.seed)  # where a plain build starts drawing
         local = _local_experts(config, accelerator.process_index)
-        filler = materialize(model, config, accelerator.device, local)
+        # With CPU offload FSDP2 keeps the shards in host memory and moves each unit to the GPU when it is gathered.
+        device = torch.device("cpu") if config.distributed.fsdp.cpu_offload else accelerator.device
+        filler = materialize(model, config, device, local)
         if initial_state is not None:
             load_initial_weights(model, initial_state, partitioned=False, local_experts=local, fill=filler.fill)
     elif builds_partitioned(config):
