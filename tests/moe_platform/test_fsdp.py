@@ -52,6 +52,8 @@ RUNS = {"moe_tiny": ROUTING, "deepseek_v3_like_tiny": DEEPSEEK, "mixtral_tiny": 
 LAYOUTS = {
     "moe_tiny-fsdp": ("moe_tiny", ["distributed=fsdp"]),
     "moe_tiny-fsdp_ep2": ("moe_tiny", ["distributed=fsdp", ep(2)]),  # experts: ep 2 × edp 2
+    # replicate 2 × shard 2, experts too: their shards are counted once in the norm, not R times
+    "moe_tiny-hsdp_2x2": ("moe_tiny", ["distributed=hsdp"]),
     # dense: replicate 2 × shard 2; experts: ep 2 × edp 2
     "deepseek_v3_like_tiny-hsdp_2x2_ep2-dropless": ("deepseek_v3_like_tiny", ["distributed=hsdp", ep(2)]),
     # experts: ep 4 × edp 1, each block on one rank
