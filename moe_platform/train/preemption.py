@@ -113,7 +113,12 @@ class PreemptionWatch:
     def after_checkpoint(self, step: int, checkpoint: Path) -> str:
         """Rank 0 clears the request and, under Slurm, requeues the job; returns what happened in one line.
         Raises RequeueLimitReached when the job may not be requeued again."""
-        why = self.signalled or f"{REQUEST_FILE} request"
+        if self.signalled:
+            why = self.signalled
+        elif self.request_file.exists():
+            why = f"{REQUEST_FILE} request"
+        else:  # the ranks' flags agreed on a stop that another rank's signal raised
+            why = "a signal to another rank"
         what = f"stopped at step {step} ({why}); checkpoint {checkpoint} is complete"
         if self.accelerator.is_main_process:
             self.request_file.unlink(missing_ok=True)

@@ -156,4 +156,4 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step_with_a_checkpoint(t
     assert len(list((checkpoint / DCP_DIRNAME).glob("*.distcp"))) == 2, "each rank wrote its shards"
     assert not (run_dir / REQUEST_FILE).exists()
     log = (tmp_path / "run.log").read_text()
-    assert f"stopped at step {stopped} (" in log and "continue with resume=auto" in log
+    assert f"stopped at step {stopped} (a signal to another rank)" in log and "continue with resume=auto" in log
