@@ -91,24 +91,15 @@ class ShardedState:
                 continue
             source = whole.read(key)
             _check_shape(checkpoint, key, tuple(source.shape), tuple(target.shape))
-            if isinstance(target, DTensor):  # every rank has the whole tensor: each keeps its shard, nothing is sent
-                source = distribute_tensor(
-                    source.to(target.to_local().device, target.dtype), target.device_mesh, target.placements,
-                    src_data_rank=None,
-                )  # fmt: skip
-                target.to_local().copy_(source.to_local())
-            else:
-                target.copy_(source)
+            copy_into_shard(target, source)
 
     def _global_state(self) -> dict[str, torch.Tensor]:
         """Every saved tensor by key, each under its global shape; the tensors share this rank's storage, so a
         DCP load into them fills the model and optimizer."""
-        state = {f"{MODEL}{name}": self._global(name, tensor) for name, tensor in self.model.state_dict().items()}
-        for name, parameter in self.model.named_parameters():
-            for key, value in self.optimizer.state.get(parameter, {}).items():
-                if key in ADAMW_STATE:
-                    state[f"{OPTIM}{name}.{key}"] = self._global(name, value) if value.ndim else value
-        return state
+        return {
+            key: self._global(name, tensor) if tensor.ndim else tensor
+            for key, (name, tensor) in state_tensors(self.model, self.optimizer).items()
+        }
 
     def _global(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """An expert block sharded over its edp group, seen as the whole [E, …] tensor on the expert mesh."""
@@ -117,7 +108,7 @@ class ShardedState:
         ep_size = self.expert_mesh.size(0)
         shape = torch.Size((tensor.shape[0] * ep_size, *tensor.shape[1:]))
         return DTensor.from_local(
-            tensor.to_local(), self.expert_mesh, (Shard(0), Shard(0)), shape=shape, stride=_contiguous_stride(shape)
+            tensor.to_local(), self.expert_mesh, (Shard(0), Shard(0)), shape=shape, stride=_contiguous(shape)
         )
 
 
@@ -141,12 +132,7 @@ class ShardedStateReader:
         materialize_adamw_state(self.optimizer)
         saved = _tensor_keys(checkpoint)
         _drop_state_not_saved(self.model, self.optimizer, saved)
-        targets = {f"{MODEL}{name}": tensor for name, tensor in self.model.state_dict().items()}
-        for name, parameter in self.model.named_parameters():
-            for key, value in self.optimizer.state.get(parameter, {}).items():
-                if key in ADAMW_STATE:
-                    targets[f"{OPTIM}{name}.{key}"] = value
-        targets = {key: tensor for key, tensor in targets.items() if key in saved}
+        targets = {key: t for key, (_, t) in state_tensors(self.model, self.optimizer).items() if key in saved}
         # whole tensors (experts [E, …]: the rank's rows are cut below), in the run's dtypes
         whole = read_dcp_tensors(checkpoint, targets, {key: tensor.dtype for key, tensor in targets.items()})
         for key, target in targets.items():
@@ -236,6 +222,32 @@ class WholeTensors:
                     value = read_expert_rows(self.expert_shards, f"{name}.{key}", range(self.num_experts))
                 state[f"{OPTIM}{name}.{key}"] = value
         return state
+
+
+def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, tuple[str, torch.Tensor]]:
+    """{checkpoint key: (parameter or buffer name, tensor)}: the module's state dict under `model.`, and AdamW's
+    state of every parameter that has one under `optim.<name>.{exp_avg,exp_avg_sq,step}`."""
+    tensors = {f"{MODEL}{name}": (name, tensor) for name, tensor in model.state_dict().items()}
+    for name, parameter in model.named_parameters():
+        for key, value in optimizer.state.get(parameter, {}).items():
+            if key in ADAMW_STATE:
+                tensors[f"{OPTIM}{name}.{key}"] = (name, value)
+    return tensors
+
+
+@torch.no_grad()
+def copy_into_shard(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """This rank's part of `whole` into `target`: a DTensor keeps its own shard (every rank holds `whole`, so
+    nothing is sent), a plain tensor takes all of it."""
+    if isinstance(target, DTensor):
+        whole = distribute_tensor(
+            whole.to(target.to_local().device, target.dtype), target.device_mesh, target.placements,
+            src_data_rank=None,
+        ).to_local()  # fmt: skip
+        target = target.to_local()
+    if tuple(whole.shape) != tuple(target.shape):
+        raise ValueError(f"a tensor of shape {tuple(whole.shape)} cannot fill a shard of {tuple(target.shape)}")
+    target.copy_(whole)
 
 
 @torch.no_grad()
@@ -355,9 +367,6 @@ def _check_shape(checkpoint: Path, key: str, saved: tuple[int, ...], ours: tuple
         )
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (a meta tensor: nothing is allocated)."""
+    return torch.empty(shape, device="meta").stride()

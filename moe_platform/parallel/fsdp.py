@@ -153,12 +153,3 @@ def _copies(tensor: torch.Tensor) -> int:
         for dim, placement in enumerate(tensor.placements)
         if isinstance(placement, Replicate)
     )
-
-
-def local_bytes(tensors) -> int:
-    """Bytes this rank stores of `tensors` (a DTensor's local shard)."""
-    total = 0
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total

@@ -23,11 +23,11 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe import Transformer
 from moe.expert_parallel import is_expert_parameter
 from moe.model import Block
+from moe_platform.checkpoint.sharded import copy_into_shard
 from moe_platform.config import TrainConfig
 
 
@@ -54,18 +54,7 @@ class ShardFiller:
         target = self.tensors[name]
         if self.local_experts is not None and is_expert_parameter(name) and whole.shape[0] == self.num_experts:
             whole = whole[self.local_experts.start : self.local_experts.stop]
-        self.fill_rows(target, whole)
-
-    @staticmethod
-    @torch.no_grad()
-    def fill_rows(target: torch.Tensor, whole: torch.Tensor) -> None:
-        if isinstance(target, DTensor):
-            # src_data_rank=None: every rank holds `whole` and keeps its own chunk; nothing is sent.
-            whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None).to_local()
-            target = target.to_local()
-        if tuple(whole.shape) != tuple(target.shape):
-            raise ValueError(f"a tensor of shape {tuple(whole.shape)} cannot fill a shard of {tuple(target.shape)}")
-        target.copy_(whole)
+        copy_into_shard(target, whole)
 
 
 @torch.no_grad()

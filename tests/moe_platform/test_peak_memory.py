@@ -54,6 +54,15 @@ def test_cpu_measurement_sees_a_transient_allocation() -> None:
     assert "profiler" in peak.method
 
 
+def training_step(model: Transformer, optimizer: torch.optim.Optimizer, input_ids_BT: torch.Tensor) -> None:
+    """One step as the trainer runs it: forward, cross-entropy in fp32, backward, AdamW, gradients set to None."""
+    output = model(input_ids_BT)
+    loss = F.cross_entropy(output.logits.float().flatten(0, 1), input_ids_BT.flatten()) + output.aux_loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_measured_peak_is_within_20_percent_of_the_ledger(case: str) -> None:
     """One steady training step (optimizer state already built), as the trainer runs it: forward, cross-entropy
@@ -65,17 +74,10 @@ def test_measured_peak_is_within_20_percent_of_the_ledger(case: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     input_ids_BT = torch.randint(0, config.vocab_size, (B, S))
 
-    def step() -> None:
-        output = model(input_ids_BT)
-        loss = F.cross_entropy(output.logits.float().flatten(0, 1), input_ids_BT.flatten()) + output.aux_loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
+    training_step(model, optimizer, input_ids_BT)
     # What the step starts from, counted directly: this test process still holds other tests' tensors.
     with measure_peak("cpu", storage_bytes(training_tensors(model, optimizer))) as peak:
-        step()
+        training_step(model, optimizer, input_ids_BT)
     predicted = predict_peak(
         config, RunShape(micro_batch_size=B, seq_len=S, precision="fp32", checkpointing=checkpointing)
     )
@@ -112,17 +114,10 @@ def _fsdp_step_peak(rank: int, world_size: int, ep_size: int) -> tuple[float, Pe
     B, S = 4, 64
     input_ids_BT = torch.randint(0, MOE_TINY.vocab_size, (B, S))
 
-    def step() -> None:
-        output = model(input_ids_BT)
-        loss = F.cross_entropy(output.logits.float().flatten(0, 1), input_ids_BT.flatten()) + output.aux_loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
+    training_step(model, optimizer, input_ids_BT)
     held = [t.to_local() if isinstance(t, DTensor) else t for t in training_tensors(model, optimizer)]
     with measure_peak("cpu", storage_bytes(held)) as peak:
-        step()
+        training_step(model, optimizer, input_ids_BT)
     run = RunShape(micro_batch_size=B, seq_len=S, dp_size=world_size, ep_size=ep_size, fsdp=True)
     return peak.peak_bytes, predict_peak(MOE_TINY, run)
 
