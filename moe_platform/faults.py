@@ -3,12 +3,13 @@
 The runtime calls `point(name, step)` where a real fault could strike, and `poison_outputs(model, …)` once; a test
 starts a real run with MOE_FAULTS set and checks what survives. MOE_FAULTS is a comma-separated list of
 
-    <kind>@<where>[:step=N][:rank=R][:times=K]
+    <kind>@<where>[:step=N][:rank=R][:times=K][:seconds=S]
 
     kill@backward:step=3:rank=1     SIGKILL this process when rank 1 reaches `backward` in step 3
     eio@checkpoint_write:times=2    raise OSError(EIO) the first 2 times a checkpoint file is written
     enospc@checkpoint_write         raise OSError(ENOSPC) there (a full disk without filling one)
     nan@blocks.1.attn:step=4        the output of module `blocks.1.attn` is NaN in step 4 (only that step)
+    stall@step_end:step=2:seconds=8 this process sleeps 8 s there (a straggler; or a window a test's signal must hit)
 
 Points the runtime passes: `forward`, `backward`, `step_end` (trainer: inside step N, after its optimizer step),
 and `checkpoint_write`, `checkpoint_rename`, `checkpoint_pointer` (checkpoint/checkpointer.py: before this rank writes
@@ -22,6 +23,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -29,7 +31,7 @@ from typing import Optional
 import torch
 
 ENV = "MOE_FAULTS"
-KINDS = ("kill", "eio", "enospc", "nan")
+KINDS = ("kill", "eio", "enospc", "nan", "stall")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Fault:
     step: Optional[int] = None
     rank: Optional[int] = None
     times: Optional[int] = None  # None: every time it matches
+    seconds: int = 0  # how long a stall lasts
     fired: int = 0
 
     def matches(self, where: str, step: int) -> bool:
@@ -56,14 +59,16 @@ def parse(spec: str) -> list[Fault]:
         head, *options = item.split(":")
         kind, _, where = head.partition("@")
         if kind not in KINDS or not where:
-            expected = "<kind>@<where>[:step=N][:rank=R][:times=K]"
+            expected = "<kind>@<where>[:step=N][:rank=R][:times=K][:seconds=S]"
             raise ValueError(f"{ENV} entry {item!r}: expected {expected} with kind in {KINDS}")
         fields = {}
         for option in options:
             key, _, value = option.partition("=")
-            if key not in ("step", "rank", "times") or not value.isdigit():
+            if key not in ("step", "rank", "times", "seconds") or not value.isdigit():
                 raise ValueError(f"{ENV} entry {item!r}: unknown option {option!r}")
             fields[key] = int(value)
+        if (kind == "stall") != ("seconds" in fields):
+            raise ValueError(f"{ENV} entry {item!r}: `seconds=S` goes with a stall, and only with a stall")
         faults.append(Fault(kind, where, **fields))
     return faults
 
@@ -80,7 +85,8 @@ def active() -> list[Fault]:
 
 
 def point(where: str, step: int) -> None:
-    """Strike here if a fault names this point (and step and rank): a kill never returns, an I/O error raises."""
+    """Strike here if a fault names this point (and step and rank): a kill never returns, an I/O error raises, a
+    stall sleeps and returns."""
     for fault in active():
         if fault.kind == "nan" or not fault.matches(where, step):
             continue
@@ -89,6 +95,9 @@ def point(where: str, step: int) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "stall":
+            time.sleep(fault.seconds)
+            continue
         code = errno.EIO if fault.kind == "eio" else errno.ENOSPC
         raise OSError(code, f"{os.strerror(code)} (injected by {ENV} at {where}, step {step})")
 

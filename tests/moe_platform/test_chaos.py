@@ -123,3 +123,21 @@ def test_sigkill_at_random_points_then_resume_ends_bit_identical(tmp_path: Path,
     print("kills (point, step, rank, resumable before, after, exit):", *log, sep="\n  ")  # shown if what follows fails
     # Every step once, each loss as in the uninterrupted run, bit for bit, and the same final weights.
     assert_resumes_exactly(run_dir, uninterrupted, weights=True)
+
+
+def test_fault_specs_parse_as_written_and_bad_ones_say_the_form(monkeypatch) -> None:
+    """MOE_FAULTS: a stall sleeps for its seconds and returns; a spec that mixes up the options names the form."""
+    from moe_platform import faults
+
+    stall, kill = faults.parse("stall@step_end:step=2:seconds=1, kill@backward:step=3:rank=1")
+    assert (stall.kind, stall.where, stall.step, stall.seconds) == ("stall", "step_end", 2, 1)
+    assert (kill.kind, kill.step, kill.rank, kill.seconds) == ("kill", 3, 1, 0)
+    monkeypatch.setattr(faults, "_faults", [stall])
+    started = time.monotonic()
+    faults.point("step_end", 1)  # another step: nothing
+    assert time.monotonic() - started < 0.5
+    faults.point("step_end", 2)
+    assert time.monotonic() - started >= 1 and stall.fired == 1
+    for spec in ("stall@step_end", "kill@forward:seconds=3", "stall@step_end:seconds=x", "hang@forward"):
+        with pytest.raises(ValueError, match="MOE_FAULTS entry"):
+            faults.parse(spec)

@@ -31,10 +31,12 @@ def job_env() -> dict[str, str]:
     return {**subprocess_env(), "MOE_BIN": str(BIN)}
 
 
-def submit_template(slurm, log_dir: Path, overrides: list[str], *sbatch_options: str) -> str:
-    """`sbatch [options] slurm/train.sbatch <overrides>` from the repository root; returns the job id."""
+def submit_template(slurm, log_dir: Path, overrides: list[str], *sbatch_options: str, env: dict | None = None) -> str:
+    """`sbatch [options] slurm/train.sbatch <overrides>` from the repository root, with `env` added to the job's
+    environment; returns the job id."""
     command = ["sbatch", "--parsable", "--nodes=2", "--time=00:10:00", f"--output={log_dir}/slurm-%j.out"]
-    result = slurm.run(*command, *sbatch_options, str(TEMPLATE), *overrides, env={**slurm.env, **job_env()}, cwd=REPO)
+    job_environment = {**slurm.env, **job_env(), **(env or {})}
+    result = slurm.run(*command, *sbatch_options, str(TEMPLATE), *overrides, env=job_environment, cwd=REPO)
     job = result.stdout.strip().split(";")[0]
     slurm.submitted.append(job)  # cancelled on teardown if the test fails while it runs
     return job
@@ -127,7 +129,10 @@ def test_usr1_checkpoints_requeues_and_resumes_with_every_step_once(slurm, tmp_p
     straight = tmp_path / "straight"
     moe_train(straight, *args, nproc=2)
     run_dir = tmp_path / "run"
-    job = submit_template(slurm, tmp_path, [*args, f"hydra.run.dir={run_dir}"])
+    # Every rank stalls after step 2 (the requeued job, resumed past it, never does): a window the signal, sent once
+    # step 1 is logged, hits however slowly it travels, instead of racing 19 steps of a tiny model.
+    stall = {"MOE_FAULTS": "stall@step_end:step=2:seconds=8"}
+    job = submit_template(slurm, tmp_path, [*args, f"hydra.run.dir={run_dir}"], env=stall)
     slurm.wait_for_state(job, "RUNNING", JOB_TIMEOUT)
     deadline = time.monotonic() + JOB_TIMEOUT
     while not ((run_dir / "metrics.jsonl").is_file() and metric_steps(run_dir)) and time.monotonic() < deadline:
@@ -137,9 +142,10 @@ def test_usr1_checkpoints_requeues_and_resumes_with_every_step_once(slurm, tmp_p
 
     log = (tmp_path / f"slurm-{job}.out").read_text()
     stopped = re.search(r"stopped at step (\d+) \(\.preempt request\); checkpoint .* is complete: requeued", log)
-    assert stopped, log[-3000:]
+    assert stopped, log[:6000]  # the first start's part of the log, where the stop is said
     stopped_at = int(stopped.group(1))
-    assert 1 <= stopped_at < steps and "(restart 1)" in log
+    # The file appears in step 2's stall; the ranks' flags sum at the boundary after it and are read one step later.
+    assert stopped_at == 3 and "(restart 1)" in log, log[:6000]
     shards = run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "pytorch_model"
     for rank in (0, 1):
         assert (shards / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file(), rank
