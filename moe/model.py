@@ -41,6 +41,12 @@ class ModelOutput:
     moe_outputs: list[MoEOutput | None] = field(default_factory=list)
 
 
+def total_aux_loss(moe_outputs: list[MoEOutput | None], like: torch.Tensor) -> torch.Tensor:
+    """Σ over MoE layers of balancing + z loss; a zero scalar (of `like`'s dtype and device) without any."""
+    aux_terms = [out.aux_loss + out.z_loss for out in moe_outputs if out is not None]
+    return torch.stack(aux_terms).sum() if aux_terms else like.new_zeros(())
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -154,23 +160,10 @@ class Transformer(nn.Module):
             )
         positions_T = torch.arange(prefix, prefix + T, device=input_ids_BT.device)
 
-        x_BTD = self.embed(input_ids_BT)
-        if self.pos_embed is not None:
-            x_BTD = x_BTD + self.pos_embed(positions_T)
-        x_BTD = self.embed_dropout(x_BTD)
-        rope_cos_sin = None
-        if self.config.pos_encoding == "rope":
-            rope_cos_sin = rope_tables(positions_T, self.config.rope_dim, self.config.rope_theta, x_BTD.dtype)
-
-        mask = None
-        if document_ids_BT is not None:
-            document_ids_BT = document_ids_BT.to(input_ids_BT.device)  # batches arrive on the host
-        if attention_mask_BT is not None or document_ids_BT is not None or (prefix > 0 and T > 1):
-            mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT, document_ids_BT)
-        if self.config.pos_encoding == "alibi":  # the distance bias, -inf where `mask` (or causality) forbids
-            mask = alibi_bias(positions_T, prefix + T, self.config.n_heads, x_BTD.dtype, mask)
-        if mask is not None:
-            require_a_visible_key(mask)  # once per forward; the layers trust it
+        x_BTD = self.embed_tokens(input_ids_BT, positions_T)
+        rope_cos_sin, mask = self.attention_context(
+            positions_T, x_BTD.dtype, prefix, attention_mask_BT, document_ids_BT
+        )
 
         moe_outputs: list[MoEOutput | None] = []
         for block in self.blocks:
@@ -180,9 +173,40 @@ class Transformer(nn.Module):
             kv_cache.advance(T)
 
         logits_BTV = self.lm_head(self.final_norm(x_BTD))
-        aux_terms = [out.aux_loss + out.z_loss for out in moe_outputs if out is not None]
-        aux_loss = torch.stack(aux_terms).sum() if aux_terms else logits_BTV.new_zeros(())
-        return ModelOutput(logits=logits_BTV, aux_loss=aux_loss, moe_outputs=moe_outputs)
+        return ModelOutput(logits=logits_BTV, aux_loss=total_aux_loss(moe_outputs, logits_BTV), moe_outputs=moe_outputs)
+
+    def embed_tokens(self, input_ids_BT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """X = Embed(ids) (+ learned positions), then dropout: what the first block reads."""
+        x_BTD = self.embed(input_ids_BT)
+        if self.pos_embed is not None:
+            x_BTD = x_BTD + self.pos_embed(positions_T)
+        return self.embed_dropout(x_BTD)
+
+    def attention_context(
+        self,
+        positions_T: torch.Tensor,
+        dtype: torch.dtype,
+        prefix: int = 0,
+        attention_mask_BT: torch.Tensor | None = None,
+        document_ids_BT: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+        """What every block's attention takes besides its input, the same for all layers: RoPE's (cos, sin)
+        tables, and the mask (padding, documents, a cached prefix; ALiBi's distance bias), or None for plain
+        causal attention. A pipeline stage builds it again from the positions and the micro-batch's ids."""
+        rope_cos_sin = None
+        if self.config.pos_encoding == "rope":
+            rope_cos_sin = rope_tables(positions_T, self.config.rope_dim, self.config.rope_theta, dtype)
+        T = positions_T.numel()
+        mask = None
+        if document_ids_BT is not None:
+            document_ids_BT = document_ids_BT.to(positions_T.device)  # batches arrive on the host
+        if attention_mask_BT is not None or document_ids_BT is not None or (prefix > 0 and T > 1):
+            mask = build_attention_mask(positions_T, prefix + T, attention_mask_BT, document_ids_BT)
+        if self.config.pos_encoding == "alibi":  # the distance bias, -inf where `mask` (or causality) forbids
+            mask = alibi_bias(positions_T, prefix + T, self.config.n_heads, dtype, mask)
+        if mask is not None:
+            require_a_visible_key(mask)  # once per forward; the layers trust it
+        return rope_cos_sin, mask
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache | LatentKVCache:
         """An empty cache on this model's device and dtype, sized for `max_len` positions (default max_seq_len):

@@ -27,6 +27,8 @@ from omegaconf.errors import (
 from data_pipeline import DataConfig, DataConfigError
 from moe import ModelConfig, ModelConfigError, RunShape
 from moe.checkpointing import MODES as ACTIVATION_CHECKPOINTING
+from moe.stages import SCHEDULES as PIPELINE_SCHEDULES
+from moe.stages import V_SHAPED, parse_layout
 
 SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
@@ -126,6 +128,45 @@ class FSDPConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Pipeline parallelism (distributed.pipeline_parallel_size > 1, parallel/pipeline.py, moe/stages.py): the
+    torch.distributed.pipelining schedule, micro-batches per step, stages per rank, and an explicit stage layout."""
+
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None  # per step and pipeline; None: the step's accumulation count (≥ PP)
+    virtual_stages: Optional[int] = None  # stages per rank; None: 2 for interleaved_1f1b, zbv, dualpipev, else 1
+    layout: Optional[list] = None  # e.g. [[embed,0,1],[2,3,norm,head]]; None: balanced by each layer's FLOPs
+
+    def __post_init__(self) -> None:
+        _require(
+            self.schedule in PIPELINE_SCHEDULES,
+            f"distributed.pipeline.schedule={self.schedule!r} is unknown: use one of {PIPELINE_SCHEDULES}",
+        )
+        _require(
+            self.microbatches is None or self.microbatches >= 1,
+            f"distributed.pipeline.microbatches={self.microbatches} must be >= 1, or null for the accumulation count",
+        )
+        virtual = self.virtual_stages
+        _require(virtual is None or virtual >= 1, f"distributed.pipeline.virtual_stages={virtual} must be >= 1")
+        _require(
+            virtual in (None, 1) or self.schedule not in ("1f1b", "gpipe"),
+            f"distributed.pipeline.virtual_stages={virtual} needs a schedule with several stages per rank, but "
+            f"{self.schedule} has one: use schedule=interleaved_1f1b, or drop virtual_stages",
+        )
+        _require(
+            virtual in (None, 2) or self.schedule not in V_SHAPED,
+            f"distributed.pipeline.virtual_stages={virtual}: schedule={self.schedule} runs exactly 2 stages per rank "
+            "(a V): set it to 2 or drop it",
+        )
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 1 if self.schedule in ("1f1b", "gpipe") else 2
+
+
+@dataclass
 class DistributedConfig:
     """How ranks cooperate: one process, plain DDP, DeepSpeed ZeRO (stage 0–3, optional CPU offload), or FSDP2
     (`fsdp`: fully sharded, or hybrid sharded with `fsdp.replicate_size` > 1)."""
@@ -141,6 +182,9 @@ class DistributedConfig:
     # EP: each group of this many consecutive ranks splits every MoE layer's experts (parallel/expert_parallel.py)
     expert_parallel_size: int = 1
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    # PP: consecutive blocks of W/PP ranks each run one pipeline stage (parallel/pipeline.py)
+    pipeline_parallel_size: int = 1
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -184,6 +228,28 @@ class DistributedConfig:
         _require(
             self.expert_parallel_size >= 1,
             f"distributed.expert_parallel_size={self.expert_parallel_size} must be >= 1 (1: no expert parallelism)",
+        )
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        pp = self.pipeline_parallel_size
+        _require(pp >= 1, f"distributed.pipeline_parallel_size={pp} must be >= 1 (1: no pipeline parallelism)")
+        pipeline_keys = _changed(self.pipeline, "distributed.pipeline.")
+        _require(
+            pp > 1 or not pipeline_keys,
+            f"{_these(pipeline_keys, 'sets', 'set')} a pipeline up but distributed.pipeline_parallel_size=1: set "
+            f"it above 1, or drop {'it' if len(pipeline_keys) == 1 else 'them'}",
+        )
+        if pp == 1:
+            return
+        why = {
+            "deepspeed": "DeepSpeed's ZeRO, whose engine runs the backward that the pipeline schedule must drive",
+            "single": "distributed=single, which starts no process group for the stages to talk over",
+        }
+        _require(
+            self.strategy in ("ddp", "fsdp"),
+            f"distributed.pipeline_parallel_size={pp} does not run under {why.get(self.strategy, self.strategy)}: "
+            "use distributed=ddp, fsdp or hsdp (FSDP2 shards more than ZeRO-1/2)",
         )
 
 
@@ -393,23 +459,60 @@ class TrainConfig:
             "would be compiled): use distributed=zero2 or set trainer.compile=false",
         )
         self._check_expert_parallel()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        pp, pipeline = self.distributed.pipeline_parallel_size, self.distributed.pipeline
+        if pp == 1:
+            return
+        stages = pp * pipeline.stages_per_rank
+        layers = self.model.n_layers
+        _require(
+            stages <= layers or pipeline.layout is not None,
+            f"distributed.pipeline_parallel_size={pp} × {pipeline.stages_per_rank} stage(s) per rank = {stages} "
+            f"stages, more than model.n_layers={layers}: lower the pipeline size or the virtual stages",
+        )
+        _require(
+            not self.model.tie_embeddings,
+            f"distributed.pipeline_parallel_size={pp} puts the embedding on the first stage and the head on the last, "
+            "so they cannot share one tied weight: set model.tie_embeddings=false",
+        )
+        if pipeline.layout is not None:
+            try:
+                layout = parse_layout(pipeline.layout, layers, pp, pipeline.schedule)
+            except ValueError as err:
+                raise ConfigError(f"distributed.pipeline.layout: {err}") from None
+            _require(
+                layout.num_stages == stages,
+                f"distributed.pipeline.layout has {layout.num_stages} stages but pipeline_parallel_size={pp} × "
+                f"{pipeline.stages_per_rank} stage(s) per rank makes {stages}: give {stages} stages, or set "
+                f"distributed.pipeline.virtual_stages={layout.num_stages // pp}",
+            )
 
     def run_shape(self, world_size: int) -> RunShape:
         """The ledger's view of this run on `world_size` ranks (the start-up ledger, the predicted peak, the report):
         one spelling of what the model's memory and traffic depend on besides the model."""
         micro = self.trainer.micro_batch_size
+        pp, pipeline = self.distributed.pipeline_parallel_size, self.distributed.pipeline
+        dp_size = max(world_size // pp, 1)  # the data-parallel ranks of one stage; all ranks without PP
+        grad_accum = self.data.global_batch_size // (micro * dp_size)
         return RunShape(
             micro_batch_size=micro,
             seq_len=self.data.seq_len,
             precision=self.trainer.precision,
             zero_stage=self.distributed.zero_stage,
-            dp_size=world_size,
+            dp_size=dp_size,
             fsdp=self.distributed.strategy == "fsdp",
             replicate_size=self.distributed.fsdp.replicate_size,
             ep_size=self.distributed.expert_parallel_size,
-            grad_accum=self.data.global_batch_size // (micro * world_size),
+            grad_accum=grad_accum,
             checkpointing=self.trainer.activation_checkpointing,
             attention_mask=self.data.document_mask,
+            pipeline_size=pp,
+            schedule=pipeline.schedule,
+            virtual_stages=pipeline.stages_per_rank if pp > 1 else 1,
+            microbatches=(pipeline.microbatches or grad_accum) if pp > 1 else 1,
+            layout=None if pipeline.layout is None else tuple(tuple(stage) for stage in pipeline.layout),
         )
 
     def _check_expert_parallel(self) -> None:
@@ -453,22 +556,33 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
     )
     replicas = config.distributed.fsdp.replicate_size
     _require(
-        strategy != "fsdp" or world_size % replicas == 0,
+        strategy != "fsdp" or (world_size // config.distributed.pipeline_parallel_size) % replicas == 0,
         f"distributed.fsdp.replicate_size={replicas} does not divide the {world_size} ranks the launcher started: "
         "launch a multiple of it, or change it (1 shards over all ranks)",
     )
-    per_step = config.trainer.micro_batch_size * world_size
+    pp = config.distributed.pipeline_parallel_size
+    _require(
+        world_size % pp == 0,
+        f"distributed.pipeline_parallel_size={pp} does not divide the {world_size} ranks the launcher started: "
+        "launch a multiple of the pipeline size, or change it",
+    )
+    dp_size = world_size // pp  # the ranks of one stage
+    per_step = config.trainer.micro_batch_size * dp_size
+    ranks = "world size" if pp == 1 else "data-parallel ranks per stage"
     _require(
         config.data.global_batch_size % per_step == 0,
         f"data.global_batch_size={config.data.global_batch_size} is not a multiple of trainer.micro_batch_size × "
-        f"world size = {config.trainer.micro_batch_size} × {world_size}: change the global or micro batch size",
+        f"{ranks} = {config.trainer.micro_batch_size} × {dp_size}: change the global or micro batch size",
     )
     ep = config.distributed.expert_parallel_size
     _require(
-        world_size % ep == 0,
-        f"distributed.expert_parallel_size={ep} does not divide the {world_size} ranks the launcher started: "
-        "launch a multiple of the EP size, or change it",
+        dp_size % ep == 0,
+        f"distributed.expert_parallel_size={ep} does not divide the {dp_size} ranks "
+        + ("the launcher started" if pp == 1 else f"of each pipeline stage ({world_size} / pipeline_parallel_size)")
+        + ": launch a multiple of the EP size, or change it",
     )
+    if pp > 1:
+        _check_pipeline_launch(config, world_size)
     _require(
         not (config.distributed.offload_params and not has_gpu),
         "distributed.offload_params moves parameters from GPU to host memory, but there is no GPU: "
@@ -480,6 +594,28 @@ def validate_launch(config: TrainConfig, world_size: int, has_gpu: bool) -> int:
         "set distributed.fsdp.cpu_offload=false",
     )
     return config.run_shape(world_size).grad_accum
+
+
+def _check_pipeline_launch(config: TrainConfig, world_size: int) -> None:
+    """The pipeline's micro-batches: at least one per stage rank, and a whole number of rows each."""
+    run = config.run_shape(world_size)
+    pp, m = run.pipeline_size, run.microbatches
+    _require(
+        m >= pp,
+        f"distributed.pipeline.microbatches={m} is fewer than pipeline_parallel_size={pp}: the schedule would "
+        "leave stages without work; raise it (or data.global_batch_size), or lower the pipeline size",
+    )
+    rows = config.trainer.micro_batch_size * run.grad_accum  # one step's rows on each pipeline
+    _require(
+        rows % m == 0,
+        f"distributed.pipeline.microbatches={m} does not divide the {rows} rows each pipeline takes per step "
+        "(data.global_batch_size / data-parallel ranks per stage): pick a divisor, or null",
+    )
+    _require(
+        run.schedule != "interleaved_1f1b" or m % pp == 0,
+        f"distributed.pipeline.schedule=interleaved_1f1b runs micro-batches in rounds of pipeline_parallel_size={pp}"
+        f", and {m} is not a multiple: pick microbatches = a multiple of {pp}",
+    )
 
 
 # A user's mistake in the config, from any component's checks or from OmegaConf's own typing; anything else raised

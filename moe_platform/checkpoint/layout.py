@@ -39,10 +39,14 @@ class CheckpointLayout:
     zero_stage: int  # DeepSpeed's ZeRO stage; 0 for any other strategy
     world_size: int
     expert_parallel_size: int
+    pipeline_parallel_size: int = 1
 
     @classmethod
     def of_run(cls, distributed: DistributedConfig, world_size: int) -> CheckpointLayout:
-        return cls(distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size)
+        return cls(
+            distributed.strategy, distributed.zero_stage, world_size, distributed.expert_parallel_size,
+            distributed.pipeline_parallel_size,
+        )  # fmt: skip
 
     @classmethod
     def read(cls, checkpoint: Path) -> CheckpointLayout:
@@ -61,6 +65,7 @@ class CheckpointLayout:
             raise CheckpointError(f"{path} is not a JSON object: it was written by another program")
         # Checkpoints written before expert parallelism existed have no expert_parallel_size: they were EP 1.
         saved.setdefault("expert_parallel_size", 1)
+        saved.setdefault("pipeline_parallel_size", 1)  # and before pipeline parallelism: PP 1
         fields = {field.name: field.type for field in dataclasses.fields(cls)}
         for name, kind in fields.items():
             wanted = str if kind == "str" else int
@@ -81,8 +86,10 @@ class CheckpointLayout:
 
     @property
     def format(self) -> str:
-        """How the state is stored: DCP (FSDP: every rank's shards through torch.distributed.checkpoint,
-        sharded.py), DEEPSPEED (ZeRO's files) or ACCELERATE (Accelerate's whole-tensor files)."""
+        """How the state is stored: DCP (FSDP, and any pipeline-parallel run: every rank's shards or stage through
+        torch.distributed.checkpoint, sharded.py), DEEPSPEED (ZeRO's files) or ACCELERATE (whole-tensor files)."""
+        if self.pipeline_parallel_size > 1:
+            return DCP
         return {"fsdp": DCP, "deepspeed": DEEPSPEED}.get(self.strategy, ACCELERATE)
 
     @property

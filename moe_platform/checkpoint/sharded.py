@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from moe.expert_parallel import ExpertParallel, is_expert_parameter
 from moe_platform import faults
@@ -59,8 +59,17 @@ class ShardedState:
 
     reads = (DCP, ACCELERATE)
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, expert_mesh: DeviceMesh | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        expert_mesh: DeviceMesh | None,
+        whole_model_order: list[list[str]] | None = None,
+    ) -> None:
+        """`whole_model_order`: a pipeline stage's model holds part of the parameters; the names of the whole
+        model's optimizer groups, in order, number the entries of a one-process run's optimizer.bin."""
         self.model, self.optimizer, self.expert_mesh = model, optimizer, expert_mesh
+        self.whole_model_order = whole_model_order
 
     def save(self, directory: Path) -> None:
         """Collective: every rank writes its shards into `directory/dcp`."""
@@ -84,7 +93,7 @@ class ShardedState:
             except CheckpointException as err:
                 raise CheckpointError(f"{checkpoint}: DCP could not load it ({_first_failure(err)})") from None
             return
-        whole = WholeTensors(checkpoint, self.model, self.optimizer)
+        whole = WholeTensors(checkpoint, self.model, self.optimizer, self.whole_model_order)
         _drop_state_not_saved(self.model, self.optimizer, whole.keys())
         for key, target in state.items():
             if key not in whole.keys():
@@ -107,9 +116,11 @@ class ShardedState:
             return tensor
         ep_size = self.expert_mesh.size(0)
         shape = torch.Size((tensor.shape[0] * ep_size, *tensor.shape[1:]))
-        return DTensor.from_local(
-            tensor.to_local(), self.expert_mesh, (Shard(0), Shard(0)), shape=shape, stride=_contiguous(shape)
-        )
+        if isinstance(tensor, DTensor):  # FSDP: the block sharded over edp
+            local, placements = tensor.to_local(), (Shard(0), Shard(0))
+        else:  # DDP inside a pipeline stage: the block whole on each of its edp ranks
+            local, placements = tensor, (Shard(0), Replicate())
+        return DTensor.from_local(local, self.expert_mesh, placements, shape=shape, stride=_contiguous(shape))
 
 
 class ShardedStateReader:
@@ -154,7 +165,13 @@ class WholeTensors:
     shards by global id when the run was expert-parallel, AdamW's from optimizer.bin, whose integer ids number the
     parameters in the order of the optimizer's param groups, the same in every run of the model."""
 
-    def __init__(self, checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        checkpoint: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        whole_model_order: list[list[str]] | None = None,
+    ) -> None:
         from safetensors import safe_open
 
         self.checkpoint = Path(checkpoint)
@@ -182,7 +199,7 @@ class WholeTensors:
                 self._sources[f"{MODEL}{name}"] = f"model:{name}"
             elif first in in_file:
                 self._sources[f"{MODEL}{name}"] = f"model:{first}"
-        self._optimizer_state = self._read_optimizer(model, optimizer)
+        self._optimizer_state = self._read_optimizer(model, optimizer, whole_model_order)
 
     def keys(self) -> set[str]:
         return set(self._sources) | set(self._optimizer_state)
@@ -197,13 +214,16 @@ class WholeTensors:
             return self._safetensors.get_tensor(name)
         return self._module[name]
 
-    def _read_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    def _read_optimizer(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, whole_model_order: list[list[str]] | None
+    ) -> dict[str, torch.Tensor]:
         path = self.checkpoint / "optimizer.bin"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing: the checkpoint holds no optimizer state to resume")
         saved = torch.load(path, map_location="cpu", weights_only=True)
         names = {id(p): name for name, p in model.named_parameters()}
-        ours = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        ours = whole_model_order or [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        held = set(names.values())
         theirs = [group["params"] for group in saved["param_groups"]]
         if [len(group) for group in ours] != [len(group) for group in theirs]:
             raise CheckpointError(
@@ -214,6 +234,8 @@ class WholeTensors:
         for name, index in zip(
             (n for group in ours for n in group), (i for group in theirs for i in group), strict=True
         ):
+            if name not in held:  # another pipeline stage's
+                continue
             for key, value in saved["state"].get(index, {}).items():
                 if key not in ADAMW_STATE:
                     continue

@@ -161,14 +161,17 @@ def load_initial_weights(
     partitioned: bool,
     local_experts: range | None = None,
     fill: Callable[[str, torch.Tensor], None] | None = None,
+    whole_model: torch.nn.Module | None = None,
 ) -> None:
     """Copy `state` into `model` exactly (strict: no key missing or extra, every shape equal), one tensor at a time.
     Partitioned (ZeRO-3) parameters are gathered one at a time and partitioned again with the values every rank
     copied. A LazyStateDict is read here, tensor by tensor, its experts one expert at a time; with `local_experts`
     (this rank's block under expert parallelism) only those rows of each expert tensor are read and filled, since
     `shard_experts` keeps only them. A model already sharded (FSDP, train/materialize.py) is filled through
-    `fill(name, whole tensor or this rank's expert rows)`, which keeps this rank's shard of it."""
-    expected = set(model.state_dict())
+    `fill(name, whole tensor or this rank's expert rows)`, which keeps this rank's shard of it. A pipeline stage's
+    model holds some of the pieces: the source is checked against `whole_model` (the unsplit structure, on the meta
+    device) and only the stage's tensors are read."""
+    expected = set((whole_model if whole_model is not None else model).state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         which = f"lacks {missing[0]}" if missing else f"has {unexpected[0]}, which the model does not"

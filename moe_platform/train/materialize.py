@@ -13,7 +13,8 @@ and routers' final values, the buffers); phase B overwrites what `_init_module` 
 NaN-filled copy, so the rule which modules it re-draws is read from the model, not repeated here. A parameter two
 modules share (tied embeddings) keeps the first value phase B gives it: the plain build ties after
 `reset_parameters`, so the head's own draw is drawn and dropped. Host memory: one block's weights at a time (the
-largest unit), not the model; every rank draws every number (time, not memory). `tests/moe_platform/
+largest unit), not the model; every rank draws every number (time, not memory), also those of the pieces another
+pipeline stage holds, which it drops. `tests/moe_platform/
 test_materialize.py` checks the equality for every model preset's tiny shape.
 """
 
@@ -48,9 +49,18 @@ class ShardFiller:
         }
         self.local_experts = local_experts
         self.num_experts = model.config.moe.num_experts if model.config.moe is not None else 0
+        # A pipeline stage's model lacks other stages' pieces (parallel/pipeline.py): their values are dropped.
+        self.partial = (
+            model.embed is None or model.lm_head is None or any(not isinstance(block, Block) for block in model.blocks)
+        )
+
+    def holds(self, name: str) -> bool:
+        return name in self.tensors
 
     def fill(self, name: str, whole: torch.Tensor) -> None:
         """`whole` as the plain model holds it; an expert tensor also as this rank's rows only (a lazy read)."""
+        if self.partial and name not in self.tensors:
+            return
         target = self.tensors[name]
         if self.local_experts is not None and is_expert_parameter(name) and whole.shape[0] == self.num_experts:
             whole = whole[self.local_experts.start : self.local_experts.stop]
@@ -85,6 +95,8 @@ def materialize(
         twin._init_module(leaf)
         for short, p in leaf.named_parameters():
             full = f"{name}.{short}"
+            if not filler.holds(full):  # another pipeline stage's
+                continue
             target = filler.tensors[full]
             if torch.isnan(p).any() or id(target) in filled:
                 continue  # not re-drawn by _init_module, or a tied weight given its value already

@@ -42,11 +42,11 @@ def build_model(
 ) -> Transformer:
     """The seeded model for `accelerator.prepare`: the same initial weights on every rank (and under every
     strategy), then this rank's own noise stream. Under ZeRO-3 the parameters come back already partitioned
-    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. Under FSDP `shard` (the
-    strategy's sharding, collective) is applied to the structure on the meta device, and each rank's shards are
-    then filled with the plain build's values (train/materialize.py). With `init.from_path` the weights are then
-    replaced by the source's (or its upcycled ones), whole but for the expert rows of other EP ranks, which a
-    Hugging Face source does not read, before expert parallelism slices them."""
+    (`p.ds_tensor` holds this rank's shard) and each MoE layer is one ZeRO-3 leaf. Under FSDP or PP `shard` (the
+    strategy's sharding or the stage split, collective) is applied to the structure on the meta device, and each
+    rank's shards are then filled with the plain build's values (train/materialize.py). With `init.from_path` the
+    weights are then replaced by the source's (or its upcycled ones), whole but for the expert rows of other EP
+    ranks, which a Hugging Face source does not read, before expert parallelism slices them."""
     initial_state = initial_state_dict(config)  # first: a bad source fails before any collective
     if shard is not None:
         model = build_meta(config)
@@ -57,7 +57,10 @@ def build_model(
         device = torch.device("cpu") if config.distributed.fsdp.cpu_offload else accelerator.device
         filler = materialize(model, config, device, local)
         if initial_state is not None:
-            load_initial_weights(model, initial_state, partitioned=False, local_experts=local, fill=filler.fill)
+            whole = build_meta(config)  # the unsplit structure the source must match (a pipeline stage holds part)
+            load_initial_weights(
+                model, initial_state, partitioned=False, local_experts=local, fill=filler.fill, whole_model=whole
+            )
     elif builds_partitioned(config):
         seed_initial_weights(config.trainer.seed)
         model = _build_partitioned(config, accelerator, initial_state)

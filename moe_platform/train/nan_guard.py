@@ -25,7 +25,7 @@ hold collectives) with hooks that note the first module whose output is non-fini
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,9 @@ class NanGuard:
         self.accelerator, self.model, self.state, self.run_dir = accelerator, model, state, Path(run_dir)
         self.engine = model if hasattr(model, "was_step_applied") else None  # a DeepSpeed engine
         self.skipped_in_window = 0
+        # How `_locate` re-runs a micro-batch's forward, and the stage of each module (pipeline_step.py sets both)
+        self.replay: Callable[[dict], Any] = self._forward
+        self.stage_of: Callable[[str], int] = lambda name: 0
 
     def step_is_finite(self, grad_norm: float) -> bool:
         """After the step's last backward and clipping: may the update be applied? The same answer on every rank.
@@ -139,7 +142,7 @@ class NanGuard:
                 nonlocal first_output
                 position["order"] += 1
                 if first_output is None and not all(torch.isfinite(t).all() for t in _float_tensors(output)):
-                    first_output = (position["micro_batch"], position["order"], name)
+                    first_output = (position["micro_batch"], self.stage_of(name), position["order"], name)
 
             return hook
 
@@ -150,16 +153,16 @@ class NanGuard:
             with torch.random.fork_rng(devices=devices):  # the diagnosis draws no number the training would
                 for micro_batch, batch in enumerate(batches):
                     position.update(micro_batch=micro_batch, order=0)
-                    self.model(batch["input_ids"].to(device), document_ids_BT=batch.get("document_ids"))
+                    self.replay(batch)
         finally:
             for handle in handles:
                 handle.remove()
         first_loss = next((i for i, loss in enumerate(losses) if not torch.isfinite(loss).all()), None)
         reports = _gather((first_output, first_loss))
         kind = "loss" if any(loss is not None for _, loss in reports) else "gradient"
-        outputs = [(out[0], out[1], rank, out[2]) for rank, (out, _) in enumerate(reports) if out is not None]
+        outputs = [(*out[:3], rank, out[3]) for rank, (out, _) in enumerate(reports) if out is not None]
         if outputs:
-            micro_batch, _, rank, name = min(outputs)
+            micro_batch, _, _, rank, name = min(outputs)  # the first micro-batch, then stage, then module
             where = f"it first appears in the output of {name} (rank {rank}, micro-batch {micro_batch})"
         elif kind == "loss":
             rank, micro_batch = next((rank, loss) for rank, (_, loss) in enumerate(reports) if loss is not None)
@@ -167,6 +170,10 @@ class NanGuard:
         else:
             where = "the loss and every module's output are finite: it arises in the backward pass"
         return {"kind": kind, "where": where}
+
+    def _forward(self, batch: dict) -> Any:
+        device = self.accelerator.device
+        return self.model(batch["input_ids"].to(device), document_ids_BT=batch.get("document_ids"))
 
     def _last_good(self) -> str:
         checkpoint = latest_checkpoint(self.run_dir)

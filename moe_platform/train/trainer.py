@@ -29,6 +29,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -56,8 +57,10 @@ from moe_platform.monitor.progress import Progress
 from moe_platform.monitor.throughput import Throughput
 from moe_platform.parallel import deepspeed_experts, expert_parallel, fsdp
 from moe_platform.train.liveness import Liveness
+from moe_platform.train.materialize import build_meta
 from moe_platform.train.model_build import build_model, full_shape
 from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
+from moe_platform.train.pipeline_step import PipelineTraining, token_mean_loss
 from moe_platform.train.preemption import PreemptionWatch
 
 log = logging.getLogger(__name__)
@@ -163,18 +166,22 @@ class Trainer:
         self.config, self.run_dir, self.accelerator = config, Path(run_dir), accelerator
         self.grad_accum, self.config_yaml, self.resume_from = grad_accum, config_yaml, resume_from
 
+        # Data-parallel rank d of D reads the d-th share; under PP the stages of a pipeline (ranks p·D + d) read alike
+        dp_size = accelerator.num_processes // config.distributed.pipeline_parallel_size
         with accelerator.main_process_first():  # tokenize once; the other ranks read the datasets cache
             self.data = build_loaders(
                 config.data,
-                rank=accelerator.process_index,
-                world_size=accelerator.num_processes,
+                rank=accelerator.process_index % dp_size,
+                world_size=dp_size,
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
             )
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self._fsdp = config.distributed.strategy == "fsdp"
+        # Under PP this rank's stages (train/pipeline_step.py), built on the meta device like FSDP's shards
+        self.pipeline = PipelineTraining(config, accelerator) if config.distributed.pipeline_parallel_size > 1 else None
         # FSDP builds the model sharded (train/materialize.py); seeds first: loading the data may have drawn on a rank
-        model = build_model(config, accelerator, shard=self._shard_fsdp if self._fsdp else None)
+        model = build_model(config, accelerator, shard=self._sharding())
         faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self.model, self.optimizer = self._parallelize(model)
         # The module inside the engine, looked up once: Accelerate's unwrap_model reads package metadata on every
@@ -183,6 +190,8 @@ class Trainer:
 
         self.state = TrainState()
         self.nan_guard = NanGuard(config.trainer, accelerator, self.model, self.state, self.run_dir)
+        if self.pipeline is not None:  # a step's forwards replayed through the stages, NaNs named in stage order
+            self.nan_guard.replay, self.nan_guard.stage_of = self.pipeline.logits, self.pipeline.stage_of_module
         state = {"trainer": self.state, "data": self.data.train}  # JSON in every checkpoint
         self.checkpointer = Checkpointer(
             self.run_dir, accelerator, config.trainer.keep_last, layout, state, self._checkpoint_parts(model),
@@ -210,6 +219,12 @@ class Trainer:
         # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
         self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
 
+    def _sharding(self):
+        """What build_model applies to the structure on the meta device: the pipeline split, FSDP2, or nothing."""
+        if self.pipeline is not None:
+            return self.pipeline.split
+        return self._shard_fsdp if self._fsdp else None
+
     def _shard_fsdp(self, model: torch.nn.Module) -> None:
         """Collective: FSDP2's meshes, this rank's expert block, `fully_shard` (on the meta device: build_model)."""
         dist = self.config.distributed
@@ -224,6 +239,11 @@ class Trainer:
         """Collective: split the experts over EP ranks (if asked), then replicate or ZeRO-shard the model as the
         strategy says and build the optimizer on what this rank holds. Under FSDP2 the model came sharded from
         build_model, and Accelerate prepares neither model nor optimizer (parallel/fsdp.py says why)."""
+        if self.pipeline is not None:  # the stages' data parallelism is pipeline_step's, not Accelerate's
+            self.meshes = self.pipeline.meshes.stage
+            self.expert_groups = self.pipeline.meshes.expert_groups
+            self.pipeline.start(lambda logits, labels: poison_nonfinite(token_mean_loss(logits, labels)))
+            return model, self._build_optimizer(model)
         if self._fsdp:
             self.expert_groups = self.meshes.expert_groups
             return model, self._build_optimizer(model)
@@ -298,6 +318,8 @@ class Trainer:
         lr = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.pipeline is not None:
+            return self._pipeline_step(batches)
         lm_losses, aux_losses, stats, grad_norm, inputs, applied = [], [], {}, float("nan"), [], True
         step = self.state.step + 1  # the step being run, as faults.py counts
         for _ in range(self.grad_accum):
@@ -331,10 +353,37 @@ class Trainer:
         lm_loss, aux_loss = float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean())
         return lm_loss, aux_loss, grad_norm, stats, applied
 
+    def _pipeline_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
+        """One optimizer step through the pipeline schedule (train/pipeline_step.py); returns what train_step does,
+        with a loss of 0 on ranks without the last stage (the log's reduction counts the last stage's)."""
+        step = self.state.step + 1
+        inputs = [next(batches) for _ in range(self.grad_accum)]
+        faults.point("forward", step)
+        faults.point("backward", step)  # inside the schedule both run micro-batch by micro-batch
+        lm_losses, aux_loss, stats = self.pipeline.forward_backward(inputs)
+        grad_norm = self._clip_gradients()
+        self.footprint.measure_gradients()
+        applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied:
+            self.pipeline.update_balancing_biases()
+            self.nan_guard.step_applied()
+        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, lm_losses or [aux_loss]):
+            self._halt(halt)
+        faults.point("step_end", step)
+        lm_loss = float(torch.stack(lm_losses).mean()) if lm_losses else 0.0
+        return lm_loss, float(aux_loss), grad_norm, stats, applied
+
     def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
         """What checkpoints hold beside Accelerate's files: under FSDP every rank's shards through DCP; experts by
         global id (DDP, single), and there the reader of an FSDP run's DCP shards; or under DeepSpeed with EP the
         universal copy and the experts restored into the module on load."""
+        if self.pipeline is not None:  # a stage's part of the model, under the unsplit names
+            order = self.pipeline.whole_model_order(build_meta(self.config), partial(optimizer_param_groups,
+                                                                                     config=self.config))  # fmt: skip
+            return [ShardedState(model, self.optimizer, self.meshes.experts, order)]
         if self._fsdp:
             return [ShardedState(model, self.optimizer, self.meshes.experts)]
         if self._deepspeed:
@@ -357,6 +406,8 @@ class Trainer:
     def _clip_gradients(self) -> float:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
         max_norm = self.config.optim.grad_clip or math.inf
+        if self.pipeline is not None:  # every stage's gradients in one norm
+            return self.pipeline.clip_gradients(max_norm)
         if self._fsdp:  # shards on two meshes: each counted once (parallel/fsdp.py)
             return fsdp.clip_grad_norm(self.module, max_norm)
         if self.expert_groups is not None and not self._deepspeed:
@@ -373,8 +424,9 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         for batch in self.data.val:
-            ids = batch["input_ids"].to(self.accelerator.device)
-            logits = self.model(ids, document_ids_BT=batch.get("document_ids")).logits
+            logits = self._eval_logits(batch)
+            if logits is None:  # a pipeline rank without the last stage: its part is done
+                continue
             labels = batch["labels"].to(self.accelerator.device)
             loss_sum += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").double()
             tokens += labels.numel()
@@ -382,6 +434,12 @@ class Trainer:
         totals = self.accelerator.reduce(torch.stack([loss_sum, tokens]), reduction="sum")
         loss = float(totals[0] / totals[1])
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+    def _eval_logits(self, batch: dict) -> torch.Tensor | None:
+        if self.pipeline is not None:
+            return self.pipeline.logits(batch)
+        ids = batch["input_ids"].to(self.accelerator.device)
+        return self.model(ids, document_ids_BT=batch.get("document_ids")).logits
 
     def save(self) -> Path:
         if fault := self.nan_guard.nonfinite_weights(self.state.step):  # collective: never checkpoint a NaN
@@ -409,7 +467,9 @@ class Trainer:
         now = datetime.now(timezone.utc).isoformat()
         window_losses = window.losses or [(math.nan, math.nan)]  # every step of the window skipped (nan_guard.py)
         losses = torch.tensor(window_losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
-        losses = self.accelerator.reduce(losses, reduction="mean")
+        # Σ over ranks / D: the mean over data-parallel ranks (all ranks without PP); under PP the LM loss is the
+        # last stage's (0 elsewhere) and the aux loss the sum of every stage's
+        losses = self.accelerator.reduce(losses, reduction="sum") / self._dp_size()
         tokens_per_s = window.tokens_per_s(self.tokens_per_step)
         record: dict[str, Any] = {
             "step": self.state.step,
@@ -423,13 +483,26 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             **self.nan_guard.record(),
         }
-        record.update(reduce_moe_stats(self.accelerator, window.stats))
+        stats = self.pipeline.pad_stats(window.stats) if self.pipeline is not None else window.stats
+        record.update(reduce_moe_stats(self.accelerator, stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self.footprint.record())  # what each rank holds, beside the ledger
         self.sinks.write(record)
         for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
             self.sinks.write(alert)
         return record
+
+    def _ranks_of_the_batch(self) -> str:
+        if self.pipeline is None:
+            return f"ranks {self.accelerator.num_processes}"
+        run, stages = self.pipeline.run, self.pipeline.layout.num_stages
+        return (
+            f"data-parallel ranks {run.dp_size}; a pipeline of {run.pipeline_size} ranks, {stages} stages, "
+            f"{run.schedule} over {run.microbatches} micro-batches"
+        )
+
+    def _dp_size(self) -> int:
+        return self.pipeline.dp_size if self.pipeline is not None else self.accelerator.num_processes
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         """The torch AdamW under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""
@@ -458,7 +531,7 @@ class Trainer:
             f"model wrapped as {type(self.model).__name__}, "
             f"device {self.accelerator.device}, {config.trainer.precision}; global batch "
             f"{config.data.global_batch_size} = micro {config.trainer.micro_batch_size} × accumulation "
-            f"{self.grad_accum} × ranks {self.accelerator.num_processes}",
+            f"{self.grad_accum} × {self._ranks_of_the_batch()}",
             self.throughput.describe(),
         ]
         if self.data.entropy_floor is not None:
