@@ -44,6 +44,12 @@ class RunShape:
     grad_accum: int = 1  # micro-batches per optimizer step (only the all-to-all row per step uses it)
     checkpointing: str = "none"  # activation checkpointing: "none", "moe" or "full"
     attention_mask: bool = False  # a padding or packed-document mask reaches attention (SDPA keeps it per layer)
+    # Pipeline parallelism (moe/stages.py): PP stage ranks, each stage's ranks data-parallel over dp_size = W / PP
+    pipeline_size: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved: loop; zbv, dualpipev: V = 2)
+    microbatches: int = 1  # per step and pipeline (under PP: grad_accum)
+    layout: tuple | None = None  # explicit stages (moe.stages.parse_layout's input); None: balanced_layout
 
 
 # Bytes per element of a weight in each precision's compute dtype (the module's weights under DeepSpeed, the gathered

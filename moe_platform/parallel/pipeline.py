@@ -155,7 +155,9 @@ class _WithAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return x.view_as(x)
+        # A copy, not a view: the zero-bubble schedules' split backward detaches intermediate tensors in place, which
+        # a view refuses; nothing keeps x for backward, so the copy replaces it rather than doubling it.
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
