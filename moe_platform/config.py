@@ -611,10 +611,17 @@ def _check_pipeline_launch(config: TrainConfig, world_size: int) -> None:
         f"distributed.pipeline.microbatches={m} does not divide the {rows} rows each pipeline takes per step "
         "(data.global_batch_size / data-parallel ranks per stage): pick a divisor, or null",
     )
+    rounds = max(1, m // pp)  # torch's interleaved schedules run the micro-batches in equal rounds
     _require(
-        run.schedule != "interleaved_1f1b" or m % pp == 0,
-        f"distributed.pipeline.schedule=interleaved_1f1b runs micro-batches in rounds of pipeline_parallel_size={pp}"
-        f", and {m} is not a multiple: pick microbatches = a multiple of {pp}",
+        run.schedule != "interleaved_1f1b" or m % rounds == 0,
+        f"distributed.pipeline.schedule=interleaved_1f1b runs micro-batches in {rounds} equal rounds of about "
+        f"pipeline_parallel_size={pp}, and {m} does not split so: pick microbatches = a multiple of {pp}",
+    )
+    stages = pp * run.virtual_stages
+    _require(
+        run.schedule != "dualpipev" or m >= stages,
+        f"distributed.pipeline.schedule=dualpipev needs a micro-batch per stage, and {m} micro-batches are fewer "
+        f"than its {stages} stages (2 × pipeline_parallel_size): raise microbatches or the global batch",
     )
 
 

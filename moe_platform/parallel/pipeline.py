@@ -311,7 +311,10 @@ def sync_gradients(model: Transformer, meshes: PipelineMeshes) -> None:
     """DDP's average inside a stage: g = (1/D) Σ_stage ranks g_r for replicated weights, experts over their EDP
     group (expert_parallel.reduce_expert_gradients at world size D). A weight without a gradient this step counts
     as zero on every rank, so the flat buffers line up."""
-    replicated = [p for name, p in model.named_parameters() if p.requires_grad and not is_expert_parameter(name)]
+    split = meshes.expert_groups is not None  # without EP the experts are replicated like the rest
+    replicated = [
+        p for name, p in model.named_parameters() if p.requires_grad and not (split and is_expert_parameter(name))
+    ]
     for p in replicated:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -323,7 +326,7 @@ def sync_gradients(model: Transformer, meshes: PipelineMeshes) -> None:
         views = [piece.view_as(p) for piece, p in zip(pieces, replicated, strict=True)]
         torch._foreach_copy_([p.grad for p in replicated], views)
     groups = meshes.expert_groups
-    if groups is not None:
+    if split:
         for _, p in expert_parameters(model):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
