@@ -43,8 +43,9 @@ EXIT_CODE = 5  # beside 2 (bad input), 3 (requeue limit), 4 (numerical fault)
 PREFIX = "moe_liveness"
 REPORT_GRACE_S = 5.0  # how long a survivor waits for the others' reports: they time out within a step of each other
 STORE_DEADLINE_S = 15.0  # a store that has not answered the whole exchange by then is taken as gone
-# Gloo's errors reach Python as plain RuntimeErrors when raised inside autograd (DDP's gradient all-reduce).
-MARKERS = ("gloo", "nccl", "c10d", "connection closed by peer", "connection reset by peer")
+# Gloo's errors reach Python as plain RuntimeErrors when raised inside autograd (DDP's gradient all-reduce), and a
+# pipeline schedule's timed-out send or receive as gloo's "Application timeout caused pair closure".
+MARKERS = ("gloo", "nccl", "c10d", "connection closed by peer", "connection reset by peer", "pair closure")
 
 
 def is_distributed_error(err: BaseException) -> bool:
