@@ -269,6 +269,71 @@ CONFIG_CASES = [
         "launch a multiple of it, or change it",
         env=MULTI_RANK,
     ),
+    # Pipeline parallelism (moe_platform/config.py's pipeline checks, moe/stages.py's layout)
+    config(
+        "pipeline_more_stages_than_layers",
+        ["distributed=ddp", "distributed.pipeline_parallel_size=8"],
+        "distributed.pipeline_parallel_size=8 × 1 stage(s) per rank = 8 stages, more than model.n_layers=4",
+        "lower the pipeline size or the virtual stages",
+    ),
+    config(
+        "pipeline_layout_misses_a_layer",
+        [
+            "distributed=ddp",
+            "distributed.pipeline_parallel_size=2",
+            "distributed.pipeline.layout=[[embed,0,1],[3,norm,head]]",
+        ],
+        "distributed.pipeline.layout: it misses layer(s) [2]",
+        "the stages must spell embed, 0, …, 3, norm, head",
+    ),
+    config(
+        "pipeline_layout_repeats_a_layer",
+        [
+            "distributed=ddp",
+            "distributed.pipeline_parallel_size=2",
+            "distributed.pipeline.layout=[[embed,0,1,2],[2,3,norm,head]]",
+        ],
+        "distributed.pipeline.layout: it repeats layer(s) [2]",
+        "the stages must spell embed, 0, …, 3, norm, head",
+    ),
+    config(
+        "pipeline_fewer_microbatches_than_stages",
+        ["distributed=ddp", "distributed.pipeline_parallel_size=2", "distributed.pipeline.microbatches=1"],
+        "distributed.pipeline.microbatches=1 is fewer than pipeline_parallel_size=2",
+        "raise it (or data.global_batch_size), or lower the pipeline size",
+        env=MULTI_RANK,
+    ),
+    config(
+        "pipeline_virtual_stages_without_such_a_schedule",
+        ["distributed=ddp", "distributed.pipeline_parallel_size=2", "distributed.pipeline.virtual_stages=2"],
+        "distributed.pipeline.virtual_stages=2 needs a schedule with several stages per rank, but 1f1b has one",
+        "use schedule=interleaved_1f1b, or drop virtual_stages",
+    ),
+    config(
+        "pipeline_under_deepspeed",
+        ["distributed=zero1", "distributed.pipeline_parallel_size=2"],
+        "distributed.pipeline_parallel_size=2 does not run under DeepSpeed's ZeRO",
+        "use distributed=ddp, fsdp or hsdp",
+    ),
+    config(
+        "pipeline_not_dividing_ranks",
+        ["distributed=ddp", "distributed.pipeline_parallel_size=4"],
+        "distributed.pipeline_parallel_size=4 does not divide the 2 ranks the launcher started",
+        "launch a multiple of the pipeline size, or change it",
+        env=MULTI_RANK,
+    ),
+    config(
+        "pipeline_keys_without_a_pipeline",
+        ["distributed=ddp", "distributed.pipeline.schedule=gpipe"],
+        "distributed.pipeline.schedule=gpipe sets a pipeline up but distributed.pipeline_parallel_size=1",
+        "set it above 1, or drop it",
+    ),
+    config(
+        "pipeline_with_tied_embeddings",
+        ["distributed=ddp", "distributed.pipeline_parallel_size=2", "model.tie_embeddings=true"],
+        "so they cannot share one tied weight",
+        "set model.tie_embeddings=false",
+    ),
     config(
         "fsdp_cpu_offload_without_gpu",
         ["distributed=fsdp", "distributed.fsdp.cpu_offload=true"],
