@@ -109,6 +109,8 @@ def poison_outputs(model: torch.nn.Module, current_step: Callable[[], int]) -> N
         if fault.kind != "nan":
             continue
         if fault.where not in modules:
+            if _on_another_stage(model, fault.where):
+                continue
             raise ValueError(f"{ENV}: the model has no module {fault.where!r} to poison")
 
         def hook(module, inputs, output, fault=fault):
@@ -117,3 +119,11 @@ def poison_outputs(model: torch.nn.Module, current_step: Callable[[], int]) -> N
             return output
 
         modules[fault.where].register_forward_hook(hook)
+
+
+def _on_another_stage(model: torch.nn.Module, name: str) -> bool:
+    """A module of a block, the embedding or the head that another pipeline stage runs (parallel/pipeline.py)."""
+    parts = name.split(".")
+    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() and int(parts[1]) < len(model.blocks):
+        return type(model.blocks[int(parts[1])]).__name__ == "AbsentBlock"
+    return parts[0] in ("embed", "pos_embed", "final_norm", "lm_head") and getattr(model, parts[0], 0) is None

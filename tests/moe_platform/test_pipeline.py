@@ -6,11 +6,13 @@ One chain of runs serves the layouts and the resume (a start of 8 ranks costs ~3
                → 8 ranks DDP, PP=2 × EP=2 × DP 2, to 12: every step logged once, within 1e-5 of one_process
                (loss, grad norm, aux loss; tokens per expert exactly), its data position, and the last
                checkpoint exported whole equals one_process's weights
-A stage that hangs (its rank stalled inside a step) ends every rank within distributed.timeout_s, named, exit 5;
-bf16 runs under DDP (autocast: fp32 hidden states, bf16 logits between stages). The schedules and the mechanics
+A NaN is named where it began, in stage order, and the step skipped on every stage; a stage that hangs (its rank
+stalled inside a step) ends every rank within distributed.timeout_s, named, exit 5; bf16 runs under DDP (autocast:
+fp32 hidden states, bf16 logits between stages). The schedules and the mechanics
 against one process: test_pipeline_schedules.py; a SIGKILL at random points: test_chaos.py."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -72,19 +74,23 @@ def test_a_chain_of_pipeline_layouts_trains_and_resumes_like_one_process(tmp_pat
         assert evals[0][step] == pytest.approx(loss, rel=1e-5), step
 
 
-def test_a_hung_stage_ends_every_rank_named_and_bf16_trains(tmp_path: Path) -> None:
-    """Rank 1 (the last stage) stalls inside step 3 for far longer than distributed.timeout_s: rank 0, waiting on
-    it, names it and exits 5. Steps 1 and 2 ran in bf16 with finite losses."""
+def test_a_nan_is_named_in_stage_order_and_a_hung_stage_ends_every_rank(tmp_path: Path) -> None:
+    """bf16 under DDP, two stages. A NaN out of the first stage's experts in step 2 turns every later module's output
+    NaN on the second stage too: the step is skipped on both, and the first stage's module is named. Then rank 1
+    (the last stage) stalls inside step 3 for far longer than distributed.timeout_s: rank 0, waiting on it, names it
+    and exits 5."""
     # (torchrun SIGTERMs the stalled rank once rank 0 has left; with preemption on that only sets a flag, and the
     # agent would SIGKILL it 30 s later)
-    stall = {"MOE_FAULTS": "stall@step_end:step=3:rank=1:seconds=120"}
+    faults = {"MOE_FAULTS": "nan@blocks.0.ffn.experts:step=2,stall@step_end:step=3:rank=1:seconds=120"}
     result = moe_train(
         tmp_path, "distributed=ddp", "distributed.pipeline_parallel_size=2", "trainer.precision=bf16",
         "trainer.max_steps=6", "distributed.timeout_s=6", "preemption.enabled=false",
-        nproc=2, env=stall, check=False, timeout=150,
+        "trainer.on_nan=skip", nproc=2, env=faults, check=False, timeout=150,
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert re.search(r"distributed error: rank 1 \(pid \d+ on .+\) stopped responding after step 2 ", output), output
     assert re.search(rf"rank +: 0 \(local_rank: 0\)\n +exitcode +: {EXIT_CODE} ", output), output[-3000:]
+    assert "step 2, skipped: it first appears in the output of blocks.0.ffn.experts (rank 0, micro-batch 0)" in output
     train = read_metrics(tmp_path)[0]
-    assert metric_steps(tmp_path) == [1, 2] and all(train[s]["loss"] == train[s]["loss"] for s in (1, 2))
+    assert metric_steps(tmp_path) == [1, 2] and math.isfinite(train[1]["loss"])
+    assert [train[step]["nan/skipped_steps_total"] for step in (1, 2)] == [0, 1]
