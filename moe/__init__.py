@@ -4,19 +4,23 @@ from moe.attention import Attention, build_attention_mask, grouped_attention
 from moe.config import ModelConfig, ParameterCount, count_parameters
 from moe.errors import ModelConfigError
 from moe.ffn import FeedForward
+from moe.flops import FlopsPerToken, matmul_flops_per_token
 from moe.kv_cache import KVCache
 from moe.ledger import (
     ActivationBytes,
-    FlopsPerToken,
+    PipelineActivationBytes,
     RunShape,
     TrainingStateBytes,
     activation_bytes,
+    activation_bytes_per_rank,
+    activations_in_flight,
     all_to_all_bytes_per_step,
     expert_params_per_rank,
     format_ledger,
     kv_cache_bytes,
-    matmul_flops_per_token,
     params_per_rank,
+    pipeline_activation_bytes,
+    pipeline_layout,
     training_state_bytes,
     training_state_bytes_per_rank,
 )
@@ -37,10 +41,13 @@ __all__ = [
     "ModelConfigError",
     "ModelOutput",
     "ParameterCount",
+    "PipelineActivationBytes",
     "RunShape",
     "TrainingStateBytes",
     "Transformer",
     "activation_bytes",
+    "activation_bytes_per_rank",
+    "activations_in_flight",
     "all_to_all_bytes_per_step",
     "build_attention_mask",
     "count_parameters",
@@ -50,6 +57,8 @@ __all__ = [
     "kv_cache_bytes",
     "matmul_flops_per_token",
     "params_per_rank",
+    "pipeline_activation_bytes",
+    "pipeline_layout",
     "training_state_bytes",
     "training_state_bytes_per_rank",
 ]

@@ -10,10 +10,14 @@ W all ranks, EP ranks sharing one MoE layer's experts, E routed experts, K exper
 L_moe MoE layers, N tokens per micro-batch, s bytes per activation element. Under FSDP2 (HSDP: R replicas of
 shards over W/R ranks) the training-state table also shows what FSDP gathers while a unit computes, in the param
 dtype p. The byte counts are what the strategies allocate, measured per rank by moe_platform/monitor/footprint.py.
+Under pipeline parallelism (PP > 1) a table gives a row per pipeline rank (its stages' pieces, what it holds, the
+micro-batches its schedule keeps in flight, the bubble), and the per-rank tables show the rank with the most state.
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 from moe.checkpointing import MODES as CHECKPOINTING
 
@@ -21,7 +25,23 @@ from moe.checkpointing import MODES as CHECKPOINTING
 # arrow points one way: ledger → config.
 from moe.config import ModelConfig, attention_num_params, count_parameters, norm_num_params
 from moe.dispatch import expert_capacity
-from moe.ffn import ffn_matmul_flops_per_token, ffn_num_params
+from moe.ffn import ffn_num_params
+from moe.flops import matmul_flops_per_token  # the FLOP table lives there: moe/stages.py costs layers with it
+from moe.stages import (
+    BUBBLE_FORMULAS,
+    EMBED,
+    HEAD,
+    IN_FLIGHT_FORMULAS,
+    NORM,
+    SCHEDULES,
+    Piece,
+    StageLayout,
+    balanced_layout,
+    bubble_fraction,
+    in_flight,
+    parse_layout,
+    style_of,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Training state
@@ -165,6 +185,7 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
 
 
 def _check_layout(config: ModelConfig, run: RunShape) -> None:
+    _check_pipeline(run)
     _check_expert_parallel(config, run.ep_size, run.dp_size)
     R = run.replicate_size
     if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
@@ -193,30 +214,145 @@ def _shard_counts(run: RunShape) -> tuple[int, int]:
     return dense, (run.dp_size // run.ep_size if run.ep_size > 1 else dense)
 
 
-def training_state_bytes_per_rank(config: ModelConfig, run: RunShape) -> TrainingStateBytes:
-    """Per-rank weights, gradients, master copy and optimizer state of `run`'s layout (ZeRO stage, FSDP/HSDP, EP).
+# ---------------------------------------------------------------------------------------------------------------
+# Pipeline parallelism
+# ---------------------------------------------------------------------------------------------------------------
+#
+# PP pipeline ranks each run their stages (moe/stages.py): the embedding on the first stage, the final norm and head
+# on the last, and their layers. The dp_size = W/PP ranks of one stage split its experts over EP and shard it as a
+# run without a pipeline shards the whole model, so every per-rank figure is today's applied to the pieces one
+# pipeline rank holds. Per-rank functions take that rank, `pipeline_rank`; None is the worst of them.
+
+Figure = TypeVar("Figure")
+
+
+def pipeline_layout(config: ModelConfig, run: RunShape) -> StageLayout:
+    """The stages the trainer builds: `run.layout` (checked by parse_layout), else the FLOP-balanced layout."""
+    if run.layout is not None:
+        return parse_layout([list(stage) for stage in run.layout], config.n_layers, run.pipeline_size, run.schedule)
+    return balanced_layout(config, run.seq_len, run.pipeline_size, run.schedule, run.virtual_stages)
+
+
+def _check_pipeline(run: RunShape) -> None:
+    P = run.pipeline_size
+    if P < 1:
+        raise ValueError(f"pipeline_size={P} must be >= 1: use 1 for no pipeline parallelism")
+    if P == 1:
+        return
+    if run.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={run.schedule!r} is unknown: use one of {SCHEDULES}")
+    per_rank = {"single": 1, "v": 2}.get(style_of(run.schedule))  # None: the loop takes any V >= 1
+    if run.virtual_stages < 1 or per_rank not in (None, run.virtual_stages):
+        raise ValueError(
+            f"virtual_stages={run.virtual_stages} does not fit schedule {run.schedule}, which runs "
+            f"{per_rank or 'at least 1'} stage(s) per pipeline rank: use {per_rank or 'a positive number'}"
+        )
+    if run.zero_stage:
+        raise ValueError(f"zero_stage={run.zero_stage} is DeepSpeed's, which pipeline_size={P} cannot run with: use 0")
+    rows = run.micro_batch_size * run.grad_accum
+    if run.microbatches < 1 or rows % run.microbatches:
+        raise ValueError(
+            f"microbatches={run.microbatches} does not divide the step's micro_batch_size × grad_accum = {rows} rows "
+            "of each pipeline: use a divisor of them"
+        )
+
+
+def _pipeline_ranks(run: RunShape, pipeline_rank: int | None) -> range:
+    """The pipeline ranks a per-rank figure looks at: the one asked for, else all (None: the worst is taken)."""
+    if pipeline_rank is None:
+        return range(run.pipeline_size)
+    if not 0 <= pipeline_rank < run.pipeline_size:
+        raise ValueError(
+            f"pipeline_rank={pipeline_rank} is not one of the {run.pipeline_size} pipeline ranks: "
+            f"use 0 … {run.pipeline_size - 1}, or None for the worst"
+        )
+    return range(pipeline_rank, pipeline_rank + 1)
+
+
+def _worst(run: RunShape, pipeline_rank: int | None, figure: Callable[[int], Figure], size: Callable) -> Figure:
+    """`figure(pipeline_rank)`, or with None the largest `size(figure(p))` over all pipeline ranks p."""
+    return max((figure(p) for p in _pipeline_ranks(run, pipeline_rank)), key=size)
+
+
+def stage_pieces(layout: StageLayout, pipeline_rank: int) -> list[list[Piece]]:
+    """The pieces of each stage a pipeline rank runs, in its stages' order."""
+    return [list(layout.stages[s]) for s in layout.stages_of_rank(pipeline_rank)]
+
+
+def _piece_params(config: ModelConfig, piece: Piece) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of one piece: the embedding (+ learned positions), the final norm,
+    the head, or block `piece` (all E routed experts; EP splits them later)."""
+    if piece == EMBED:
+        return count_parameters(config).embedding, 0
+    if piece == NORM:
+        return norm_num_params(config), 0
+    if piece == HEAD:
+        return count_parameters(config).lm_head, 0
+    return _block_params(config, piece)
+
+
+def _block_params(config: ModelConfig, layer: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of one block: attention, its two norms, and the dense FFN, or the
+    MoE layer (router, shared experts; and the E routed experts apart)."""
+    norms = 2 * norm_num_params(config)
+    if not config.is_moe_layer(layer):
+        ffn = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
+        return attention_num_params(config) + norms + ffn, 0
+    moe = config.moe
+    routed = moe.num_experts * ffn_num_params(config.d_model, moe.expert_d_ff, config.activation)
+    return attention_num_params(config) + norms + moe.num_params(config.d_model, config.activation) - routed, routed
+
+
+def held_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, int]]:
+    """(non-expert, routed-expert) parameters each pipeline rank's stages hold, the routed experts all E of their
+    layers (a rank keeps E/EP); at PP = 1 the whole model's, once. Summed over ranks: the model's total."""
+    if run.pipeline_size == 1:
+        params = count_parameters(config)
+        return [(params.total - params.routed_experts, params.routed_experts)]
+    layout = pipeline_layout(config, run)
+    held = []
+    for p in range(run.pipeline_size):
+        pieces = [_piece_params(config, piece) for stage in stage_pieces(layout, p) for piece in stage]
+        held.append((sum(dense for dense, _ in pieces), sum(routed for _, routed in pieces)))
+    return held
+
+
+def training_state_bytes_per_rank(
+    config: ModelConfig, run: RunShape, pipeline_rank: int | None = None
+) -> TrainingStateBytes:
+    """Per-rank weights, gradients, master copy and optimizer state of `run`'s layout (ZeRO stage, FSDP/HSDP, EP,
+    and under PP the pieces of `pipeline_rank`'s stages; None: the rank with the most).
 
     The non-expert parameters are sharded over W ranks (FSDP: its shard group, W/R under HSDP), the rank's routed
     experts (routed / EP) over the W/EP ranks that hold the same block; at EP=1 and R=1 this is
-    `training_state_bytes(total, …, W)`.
+    `training_state_bytes(total, …, W)`. Under PP, W is a stage's dp_size = W_all / PP ranks.
     """
     _check_layout(config, run)
-    params = count_parameters(config)
+    held = held_params_by_rank(config, run)
     dense_shards, expert_shards = _shard_counts(run)
     state = partial(training_state_bytes, precision=run.precision, zero_stage=run.zero_stage, fsdp=run.fsdp)
-    replicated = state(params.total - params.routed_experts, dp_size=dense_shards)
-    return replicated + state(expert_params_per_rank(config, run.ep_size), dp_size=expert_shards)
+
+    def of_rank(p: int) -> TrainingStateBytes:
+        dense, routed = held[p]
+        return state(dense, dp_size=dense_shards) + state(routed // run.ep_size, dp_size=expert_shards)
+
+    return _worst(run, pipeline_rank, of_rank, lambda bytes_: bytes_.total)
 
 
-def stored_params_per_rank(config: ModelConfig, run: RunShape) -> float:
-    """Parameters a rank stores: `params_per_rank` (its expert block under EP), sharded under ZeRO-3 and FSDP."""
+def stored_params_per_rank(config: ModelConfig, run: RunShape, pipeline_rank: int | None = None) -> float:
+    """Parameters a rank stores: `params_per_rank` (its expert block under EP; under PP of `pipeline_rank`'s
+    stages, None: the rank with the most), sharded under ZeRO-3 and FSDP."""
     _check_layout(config, run)
-    params = count_parameters(config)
-    if run.zero_stage < 3 and not run.fsdp:
-        return params_per_rank(config, run.ep_size)
+    held = held_params_by_rank(config, run)
     dense_shards, expert_shards = _shard_counts(run)
-    experts = expert_params_per_rank(config, run.ep_size)
-    return (params.total - params.routed_experts) / dense_shards + experts / expert_shards
+
+    def of_rank(p: int) -> float:
+        dense, routed = held[p]
+        if run.zero_stage < 3 and not run.fsdp:
+            return dense + routed // run.ep_size
+        return dense / dense_shards + routed // run.ep_size / expert_shards
+
+    return _worst(run, pipeline_rank, of_rank, float)
 
 
 @dataclass(frozen=True)
@@ -237,20 +373,29 @@ def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
     """The parameters of each unit FSDP gathers whole, root (embeddings, final norm, lm head) first, then every block
     with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block)."""
     params = count_parameters(config)
-    norms = 2 * norm_num_params(config)
     units = [params.embedding + params.lm_head + norm_num_params(config)]
     for layer in range(config.n_layers):
-        if config.is_moe_layer(layer):
-            moe = config.moe
-            routed = moe.num_experts * ffn_num_params(config.d_model, moe.expert_d_ff, config.activation)
-            ffn = moe.num_params(config.d_model, config.activation) - routed + routed // ep_size
-        else:
-            ffn = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
-        units.append(attention_num_params(config) + norms + ffn)
+        dense, routed = _block_params(config, layer)
+        units.append(dense + routed // ep_size)
     return units
 
 
-def sharding_transient_bytes(config: ModelConfig, run: RunShape) -> ShardingTransientBytes:
+def pipeline_fsdp_unit_params(config: ModelConfig, run: RunShape, pipeline_rank: int) -> list[int]:
+    """FSDP's units on one pipeline rank (parallel/pipeline.py's shard_stages): each of its stages' roots (the
+    embedding; the final norm and head) and each of its blocks, with the block's routed experts cut to E/EP."""
+    units = []
+    for pieces in stage_pieces(pipeline_layout(config, run), pipeline_rank):
+        root = sum(_piece_params(config, piece)[0] for piece in pieces if not isinstance(piece, int))
+        units += [root] if root else []
+        for layer in (piece for piece in pieces if isinstance(piece, int)):
+            dense, routed = _block_params(config, layer)
+            units.append(dense + routed // run.ep_size)
+    return units
+
+
+def sharding_transient_bytes(
+    config: ModelConfig, run: RunShape, pipeline_rank: int | None = None
+) -> ShardingTransientBytes:
     """FSDP2's and ZeRO-3's gathered parameters, unsharded gradients and reduce-scatter input per rank (0 otherwise).
 
     FSDP2 (units: the root = embeddings, final norm, lm head; each block, under EP with its E/EP experts): forward
@@ -262,6 +407,14 @@ def sharding_transient_bytes(config: ModelConfig, run: RunShape) -> ShardingTran
     embedding, the head, a block's attention and a block's FFN or MoE layer (its prefetch bucket, 5e7 elements by
     default, and its reduce buckets are not counted). Upper bounds of the moments they describe, independent of the
     shard count and of CPU offload (which moves the shards, not these).
+
+    FSDP2 under PP (`pipeline_rank`'s units, `pipeline_fsdp_unit_params`; None: the rank with the most): torch's
+    pipeline stage turns off resharding after backward and the gradient reduction for every micro-batch
+    (`backward_maybe_with_nosync`) and reduce-scatters only in the step's last action (`perform_reduce_grad`), so
+    from a unit's first backward to the step's end it stays gathered and its unsharded gradients accumulate, in the
+    reduce dtype fp32 (measured: every parameter of a stage unsharded, with a gradient, before that reduce). With
+    U_rank all its units and B its largest: gathered = U_rank·p, gradients = U_rank·4 (+ B·p under bf16: the fresh
+    gradients of the unit in backward, before they are added to the fp32 sum), reduce-scatter = B·4.
     """
     _check_layout(config, run)
     p = PARAM_DTYPE_BYTES[run.precision]
@@ -273,6 +426,18 @@ def sharding_transient_bytes(config: ModelConfig, run: RunShape) -> ShardingTran
         return ShardingTransientBytes(gathered=largest * p, gradients=largest * p, reduce_scatter=0.0)
     if not run.fsdp:
         return ShardingTransientBytes(0.0, 0.0, 0.0)
+    if run.pipeline_size > 1:
+
+        def of_rank(rank: int) -> ShardingTransientBytes:
+            units = pipeline_fsdp_unit_params(config, run, rank)
+            held, largest = sum(units), max(units)
+            return ShardingTransientBytes(
+                gathered=held * p,
+                gradients=held * FP32_BYTES + (largest * p if p < FP32_BYTES else 0),
+                reduce_scatter=largest * FP32_BYTES,
+            )
+
+        return _worst(run, pipeline_rank, of_rank, lambda transient: transient.total)
     root, *blocks = fsdp_unit_params(config, run.ep_size)
     blocks = sorted(blocks, reverse=True)
     return ShardingTransientBytes(
@@ -283,18 +448,25 @@ def sharding_transient_bytes(config: ModelConfig, run: RunShape) -> ShardingTran
 
 
 def all_to_all_bytes_per_step(
-    config: ModelConfig, tokens_per_micro_batch: int, micro_batches_per_step: int, ep_size: int, bytes_per_element: int
+    config: ModelConfig,
+    tokens_per_micro_batch: int,
+    micro_batches_per_step: int,
+    ep_size: int,
+    bytes_per_element: int,
+    *,
+    layers: Sequence[int] | None = None,
 ) -> float:
     """Bytes one rank sends through expert-parallel all-to-alls per optimizer step, uniform routing, payload only.
 
     Per MoE layer and micro-batch the N·K (token, expert) assignments go out (dispatch) and come back (combine),
     and backward moves their gradients the same way: 4 · L_moe · N·K · (EP-1)/EP · D · s, where (EP-1)/EP is the
-    share of assignments whose expert lives on another rank. Dropless: capacity drops would send fewer.
+    share of assignments whose expert lives on another rank. Dropless: capacity drops would send fewer. L_moe
+    counts the MoE layers among `layers` (default all; a pipeline rank runs its stages' only).
     """
     _check_expert_parallel(config, ep_size)
     if ep_size == 1:
         return 0.0
-    moe_layers = sum(config.is_moe_layer(layer) for layer in range(config.n_layers))
+    moe_layers = sum(config.is_moe_layer(layer) for layer in (range(config.n_layers) if layers is None else layers))
     assignments = tokens_per_micro_batch * config.moe.top_k
     per_micro_batch = 4 * moe_layers * assignments * (ep_size - 1) / ep_size * config.d_model * bytes_per_element
     return per_micro_batch * micro_batches_per_step
@@ -327,71 +499,6 @@ def mha_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes
     else:
         key_width = value_width = config.head_dim
     return batch_size * config.n_layers * seq_len * config.n_heads * (key_width + value_width) * bytes_per_element
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# FLOPs
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FlopsPerToken:
-    """Forward matmul FLOPs per token (multiply and add counted as 2), summed over layers."""
-
-    projections: int  # Q, K, V, O (MLA: query path, W_DKV + W_KR, W_UK + W_UV, W_O)
-    attention: int  # QKᵀ and AV over the full S×S grid (the mask does not save these multiplies)
-    ffn: int  # dense FFNs, and per MoE layer router + top-k experts + shared experts
-    lm_head: int
-
-    @property
-    def forward(self) -> int:
-        return self.projections + self.attention + self.ffn + self.lm_head
-
-    @property
-    def training(self) -> int:
-        """Forward + backward ≈ 3× forward (backward computes grads w.r.t. both inputs and weights)."""
-        return 3 * self.forward
-
-
-def _mla_flops_per_token(config: ModelConfig, seq_len: int) -> tuple[int, int]:
-    """(projections, attention) of one MLA layer per token on the expanded path every uncached forward takes
-    (training, prefill). Projections: query 2·D·H·(n+r), or through its latent 2·D·Q + 2·Q·H·(n+r); W_DKV and
-    W_KR 2·D·(C+r); W_UK and W_UV on every token 2·C·H·(n+v); W_O 2·H·v·D. Attention over S keys: scores
-    2·S·H·(n+r), A·V 2·S·H·max(v, n+r): values narrower than n + r are padded with zeros for SDPA's fused
-    kernels (moe/mla.py), and the padded columns are multiplied too. (Absorbed decode instead applies W_UK and
-    W_UV per head, 2·H·C·(n+v), and attends in the latent space, 2·S·H·(2·C+r); not this table.)"""
-    mla, D, H = config.mla, config.d_model, config.n_heads
-    q_width = H * mla.qk_head_dim
-    query = 2 * D * q_width if mla.q_lora_rank is None else 2 * D * mla.q_lora_rank + 2 * mla.q_lora_rank * q_width
-    kv_down = 2 * D * (mla.kv_lora_rank + mla.qk_rope_head_dim)
-    kv_up = 2 * mla.kv_lora_rank * H * (mla.qk_nope_head_dim + mla.v_head_dim)
-    out = 2 * H * mla.v_head_dim * D
-    attention = 2 * seq_len * q_width + 2 * seq_len * H * max(mla.v_head_dim, mla.qk_head_dim)
-    return query + kv_down + kv_up + out, attention
-
-
-def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
-    """GQA: projections 2·D·(2·H·d_h + 2·H_kv·d_h), attention 4·S·H·d_h; MLA: `_mla_flops_per_token`. ALiBi's
-    bias is an addition, no matmul, so it changes neither."""
-    if config.attention == "mla":
-        projections, attention = _mla_flops_per_token(config, seq_len)
-    else:
-        q_width, kv_width = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-        projections = 2 * config.d_model * (2 * q_width + 2 * kv_width)
-        # Seed 000: QKᵀ and AV together cost 4·B·T²·d for the whole batch, i.e. 4·S·(H·d_h) per token.
-        attention = 4 * seq_len * q_width
-    ffn = 0
-    for layer in range(config.n_layers):
-        if config.is_moe_layer(layer):
-            ffn += config.moe.matmul_flops_per_token(config.d_model, config.activation)
-        else:
-            ffn += ffn_matmul_flops_per_token(config.d_model, config.d_ff, config.activation)
-    return FlopsPerToken(
-        projections=config.n_layers * projections,
-        attention=config.n_layers * attention,
-        ffn=ffn,
-        lm_head=2 * config.d_model * config.vocab_size,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -538,8 +645,12 @@ def activation_bytes(
     precision: str,
     checkpointing: str = "none",
     attention_mask: bool = False,
+    *,
+    layers: Sequence[int] | None = None,
+    head: bool = True,
 ) -> ActivationBytes:
-    """Bytes of activations one micro-batch keeps for backward, by part (dropout 0).
+    """Bytes of activations one micro-batch keeps for backward, by part (dropout 0); of the blocks `layers` only
+    (default all) and, with `head`, the final norm and head (a pipeline stage's pieces: `pipeline_activation_bytes`).
 
     checkpointing="none": every sub-layer keeps what its backward reads (the helpers above give each formula).
     "moe": each MoE sub-layer keeps only its input (N·D·s) and is rebuilt in backward, one layer at a time, so the
@@ -561,9 +672,11 @@ def activation_bytes(
     s, N, D = ACTIVATION_BYTES[precision], micro_batch_size * seq_len, config.d_model
     block_input = N * D * s
     ffn = moe = dispatch = recompute = 0
-    # ALiBi's bias lives outside the blocks: one tensor for all layers, kept under every checkpointing mode.
-    attention = _alibi_bias_bytes(config, micro_batch_size, seq_len, s, attention_mask)
-    for layer in range(config.n_layers):
+    layer_ids = range(config.n_layers) if layers is None else layers
+    # ALiBi's bias lives outside the blocks: one tensor for all layers (of a pipeline stage, which builds its own),
+    # kept under every checkpointing mode.
+    attention = _alibi_bias_bytes(config, micro_batch_size, seq_len, s, attention_mask) if len(layer_ids) else 0
+    for layer in layer_ids:
         if config.attention == "mla":
             layer_attention = _mla_attention_bytes(config, N, seq_len, s)
         else:
@@ -586,13 +699,121 @@ def activation_bytes(
         else:
             attention, ffn = attention + layer_attention, ffn + layer_ffn
             moe, dispatch = moe + layer_moe, dispatch + layer_dispatch
-    # The step peaks as backward starts: the gradients of the log-probabilities and of the logits (fp32) join
-    # everything forward kept, before backward frees any of it.
-    logits = _norm_bytes(config, N, s) + N * config.vocab_size * (s + 4 + 2 * 4)
+    if not head:
+        return ActivationBytes(attention, ffn, moe, dispatch, 0, recompute)
+    logits = sum(_logits_bytes(config, N, s))
     # Backward rebuilds the last checkpointed piece after cross-entropy's backward has freed the log-probabilities
     # and their gradients, so the rebuilt piece only counts beyond those 3·N·V·4 bytes.
     recompute = max(0, recompute - 3 * N * config.vocab_size * 4)
     return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute)
+
+
+def _logits_bytes(config: ModelConfig, num_tokens: int, s: int) -> tuple[int, int]:
+    """(what forward keeps, what backward adds as it starts) of the final norm and head: the norm, the N·V·s logits
+    and cross-entropy's N·V·4 fp32 log-probabilities; then the fp32 gradients of the log-probabilities and of the
+    logits, 2·N·V·4, which join everything forward kept before backward frees any of it (where a step peaks)."""
+    logits = num_tokens * config.vocab_size
+    return _norm_bytes(config, num_tokens, s) + logits * (s + 4), 2 * logits * 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations under pipeline parallelism
+# ---------------------------------------------------------------------------------------------------------------
+#
+# A pipeline rank holds, at its peak, several micro-batches' activations of its own stages: those whose forward the
+# schedule has run and whose backward it has not (moe.stages.in_flight, from torch's schedules). torch's
+# PipelineStage (torch/distributed/pipelining/stage.py) adds per stage: the stage's output, kept for its backward
+# (fwd_cache) per micro-batch in flight; m receive buffers for its inputs and m for its outputs' gradients,
+# allocated once for every micro-batch of the step; and its inputs' gradients, which autograd leaves on those
+# buffers until the next step clears them. N = b·S tokens of a pipeline micro-batch of b rows.
+
+
+def pipeline_micro_batch_rows(run: RunShape) -> int:
+    """b: the rows of one pipeline micro-batch, a pipeline's step of micro_batch_size × grad_accum rows cut into m
+    (micro_batch_size itself when m = grad_accum); micro_batch_size without a pipeline."""
+    if run.pipeline_size == 1:
+        return run.micro_batch_size
+    return run.micro_batch_size * run.grad_accum // run.microbatches
+
+
+def activations_in_flight(run: RunShape, pipeline_rank: int) -> int:
+    """Chunk-forwards whose activations pipeline rank p holds at once at its peak, summed over its stages (each a
+    stage chunk of one micro-batch): gpipe m; 1f1b min(m, PP - p); interleaved_1f1b min((V-1)·M + 2·(PP-1-p) + 1,
+    V·m) with M = m / max(1, m // PP); zbv min(2·PP-1-p, m) + min(p+1, m); dualpipev 2·PP + 1
+    (`moe.stages.in_flight` says why, per stage). 1 without a pipeline."""
+    _check_pipeline(run)
+    counts = in_flight(run.schedule, run.pipeline_size, run.microbatches, run.virtual_stages, pipeline_rank)
+    return sum(counts.values())
+
+
+@dataclass(frozen=True)
+class PipelineActivationBytes:
+    """One pipeline rank's activation bytes at its peak, by part (`pipeline_activation_bytes` gives the formulas)."""
+
+    in_flight: dict[int, int]  # each of its stages → micro-batches it holds at the peak
+    kept: float  # Σ_stages n · what one micro-batch's forward keeps of the stage (its output added, its input not)
+    logits_gradients: float  # last stage: the fp32 gradients of the log-probabilities and logits, once
+    buffers: float  # torch's receive buffers and the input gradients left on them, m per stage
+    recompute: float  # the largest checkpointed piece of its stages, rebuilt one at a time
+
+    @property
+    def total(self) -> float:
+        return self.kept + self.logits_gradients + self.buffers + self.recompute
+
+
+def pipeline_activation_bytes(config: ModelConfig, run: RunShape, pipeline_rank: int) -> PipelineActivationBytes:
+    """Activation bytes pipeline rank p holds at its peak, as the first backward of its steady state starts.
+
+    Per stage s of the rank, with n_s micro-batches in flight (`moe.stages.in_flight`), N·D·s bytes a stage's
+    input or output: kept = n_s · (A_s + [s not last] N·D·s − [s not first] N·D·s), A_s the activations one
+    micro-batch keeps of its layers (`activation_bytes` with layers=its layers: ALiBi's bias once per stage, which
+    builds its own) and on the last stage of its final norm, logits and log-probabilities; the output is what torch
+    keeps for the backward, the input is a receive buffer, counted there (the layer that keeps it reads that
+    buffer). Last stage: + the logits' gradients 2·N·V·4 once. Buffers: m · N·D·s for the inputs received from
+    another rank, m · N·D·s for the inputs' gradients (all of them by the step's end), and m · N·D·s for the
+    output gradients received from another rank (the V schedules' turn on one rank hands tensors over instead).
+    Recompute: the largest of its stages' `activation_bytes(...).recompute`. The embedding keeps only the ids, as
+    without a pipeline. Without a pipeline this is `activation_bytes` of the whole model, at n = 1 and no buffers.
+    """
+    _check_layout(config, run)
+    _pipeline_ranks(run, pipeline_rank)
+    P, m = run.pipeline_size, run.microbatches
+    layout = pipeline_layout(config, run) if P > 1 else None
+    rows, S, s = pipeline_micro_batch_rows(run), run.seq_len, ACTIVATION_BYTES[run.precision]
+    N = rows * S
+    boundary = N * config.d_model * s  # one stage input or output, [b, S, D]
+    counts = in_flight(run.schedule, P, m, layout.num_stages // P if layout else 1, pipeline_rank)
+    stages = layout.stages_of_rank(pipeline_rank) if layout else [0]
+    last = layout.num_stages - 1 if layout else 0
+    kept = logits_gradients = buffers = recompute = 0.0
+    for stage in stages:
+        layers = layout.layers(stage) if layout else None
+        head = stage == last
+        acts = activation_bytes(
+            config, rows, S, run.precision, run.checkpointing, run.attention_mask, layers=layers, head=head
+        )
+        stage_kept = acts.attention + acts.ffn + acts.moe + acts.dispatch
+        if head:
+            logits_kept, logits_gradients = _logits_bytes(config, N, s)
+            stage_kept += logits_kept
+        stage_kept += (0 if head else boundary) - (boundary if stage > 0 else 0)
+        kept += counts[stage] * stage_kept
+        recompute = max(recompute, acts.recompute)
+        if layout is not None:
+            remote_input = stage > 0 and layout.rank_of_stage(stage - 1) != pipeline_rank
+            remote_output = not head and layout.rank_of_stage(stage + 1) != pipeline_rank
+            buffers += m * boundary * (remote_input + (stage > 0) + remote_output)
+    return PipelineActivationBytes(counts, kept, logits_gradients, buffers, recompute)
+
+
+def activation_bytes_per_rank(config: ModelConfig, run: RunShape, pipeline_rank: int | None = None) -> float:
+    """The activation bytes a rank holds at its peak: one micro-batch's `activation_bytes` without a pipeline; under
+    PP `pipeline_activation_bytes` of `pipeline_rank` (None: the rank with the most)."""
+    if run.pipeline_size == 1:
+        return activation_bytes(
+            config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
+        ).total
+    return _worst(run, pipeline_rank, lambda p: pipeline_activation_bytes(config, run, p).total, float)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -621,9 +842,14 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> str:
 
 
 def format_ledger(config: ModelConfig, run: RunShape) -> str:
-    """The five tables (six under expert parallelism), each row with the assumption it rests on."""
+    """The five tables (six under expert parallelism, and one more under pipeline parallelism, a row per pipeline
+    rank; the per-rank tables then show the rank with the most training state), each row with its assumption."""
     params = count_parameters(config)
-    state = training_state_bytes_per_rank(config, run)
+    rank = None  # under PP: the pipeline rank the per-rank tables show
+    if run.pipeline_size > 1:
+        _check_layout(config, run)
+        rank = max(range(run.pipeline_size), key=lambda p: training_state_bytes_per_rank(config, run, p).total)
+    state = training_state_bytes_per_rank(config, run, rank)
     flops = matmul_flops_per_token(config, run.seq_len)
     if config.attention == "mla":
         attention_note = "MLA: query path, W_DKV + W_KR, latent norm, W_UK + W_UV, W_O"
@@ -651,7 +877,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("norms", f"{params.norms:,}", f"{config.norm}: γ{' and β' if config.norm == 'layernorm' else ''}"),
             ],
         ),
-        _training_state_table(config, run, state),
+        _training_state_table(config, run, state, rank),
         _kv_cache_table(config, run),
         _table(
             f"Matmul FLOPs per token (S={run.seq_len}, multiply-add = 2)",
@@ -667,7 +893,9 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     ]
     tables.insert(2, _activation_table(config, run))
     if run.ep_size > 1:
-        tables.insert(2, _expert_parallel_table(config, run, state))
+        tables.insert(2, _expert_parallel_table(config, run, state, rank))
+    if run.pipeline_size > 1:
+        tables.insert(2, _pipeline_table(config, run))
     return "\n\n".join(tables)
 
 
@@ -685,7 +913,9 @@ def _layout(run: RunShape) -> str:
     return layout
 
 
-def _training_state_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
+def _training_state_table(
+    config: ModelConfig, run: RunShape, state: TrainingStateBytes, rank: int | None = None
+) -> str:
     if run.fsdp:
         dense_shards = run.dp_size // run.replicate_size
         experts = "routed / W" if run.ep_size > 1 else f"routed / {dense_shards}"
@@ -696,11 +926,18 @@ def _training_state_table(config: ModelConfig, run: RunShape, state: TrainingSta
             ("optimizer", _human(state.optimizer, "B"), "AdamW m, v of the shards"),
             ("total", _human(state.total, "B"), FSDP_ASSUMPTION),
         ]
-        transient = sharding_transient_bytes(config, run)
+        transient = sharding_transient_bytes(config, run, rank)
         p = run.precision  # the param dtype FSDP gathers and computes in
+        if rank is None:
+            gathered_note = f"root + 2 largest blocks in {p} (one prefetched)"
+            gradients_note = f"root + largest block in {p}, until reduced"
+        else:  # torch's pipeline stage reshards and reduces only at the step's end
+            gathered_note = f"every unit of its stages in {p}, from its backward to the step's end"
+            fresh = " (+ one unit's)" if p != "fp32" else ""
+            gradients_note = f"all its units', summed in fp32 until the step's end{fresh}"
         rows += [
-            ("gathered", _human(transient.gathered, "B"), f"root + 2 largest blocks in {p} (one prefetched)"),
-            ("unsharded grads", _human(transient.gradients, "B"), f"root + largest block in {p}, until reduced"),
+            ("gathered", _human(transient.gathered, "B"), gathered_note),
+            ("unsharded grads", _human(transient.gradients, "B"), gradients_note),
             ("reduce-scatter", _human(transient.reduce_scatter, "B"), "largest unit's fp32 reduce-scatter input"),
         ]
     else:
@@ -722,7 +959,8 @@ def _training_state_table(config: ModelConfig, run: RunShape, state: TrainingSta
                 ),
             ]
     rows.append(("not counted", "-", "activations, buffers, allocator slack, communication buckets"))
-    return _table(f"Training state per rank ({run.precision}, {_layout(run)})", rows)
+    where = "" if rank is None else f"; pipeline rank {rank} of PP={run.pipeline_size}, the most"
+    return _table(f"Training state per rank ({run.precision}, {_layout(run)}{where})", rows)
 
 
 def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
@@ -758,13 +996,16 @@ def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
     )
 
 
-def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingStateBytes) -> str:
+def _expert_parallel_table(
+    config: ModelConfig, run: RunShape, state: TrainingStateBytes, rank: int | None = None
+) -> str:
+    """The figures EP changes, for the whole model, or under PP for pipeline rank `rank`'s stages."""
     W, EP, E = run.dp_size, run.ep_size, config.moe.num_experts
     expert_matrices = 3 if config.activation == "swiglu" else 2  # w_gate (SwiGLU only), w_up, w_down
     dense_shards, expert_shards = _shard_counts(run)
-    experts = training_state_bytes(
-        expert_params_per_rank(config, EP), run.precision, run.zero_stage, expert_shards, fsdp=run.fsdp
-    )
+    dense_params, routed = held_params_by_rank(config, run)[rank or 0]
+    expert_params = routed // EP
+    experts = training_state_bytes(expert_params, run.precision, run.zero_stage, expert_shards, fsdp=run.fsdp)
     if run.fsdp:
         dense = "non-expert / (W/R)" if run.replicate_size > 1 else "non-expert / W"
         optimizer_formula = f"{ADAMW_BYTES} B · ({dense} + routed / EP / (W/EP)), FSDP2"
@@ -775,22 +1016,27 @@ def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingSt
     else:
         optimizer_formula = f"{ADAMW_BYTES} B · params per rank, ZeRO-0: unsharded"
         expert_formula = f"{ADAMW_BYTES} B · routed / EP, ZeRO-0: each block unsharded on its W/EP ranks"
+    layers = None
+    if rank is not None:
+        layout = pipeline_layout(config, run)
+        layers = [layer for s in layout.stages_of_rank(rank) for layer in layout.layers(s)]
     a2a = all_to_all_bytes_per_step(
-        config, run.micro_batch_size * run.seq_len, run.grad_accum, EP, ACTIVATION_BYTES[run.precision]
+        config, run.micro_batch_size * run.seq_len, run.grad_accum, EP, ACTIVATION_BYTES[run.precision], layers=layers
     )
-    stored = stored_params_per_rank(config, run)
+    stored = stored_params_per_rank(config, run, rank)
+    where = "" if rank is None else f"; pipeline rank {rank}'s stages"
     return _table(
         f"Expert parallelism (EP={EP} of W={W} ranks: E/EP = {E // EP} experts per rank per MoE layer, "
-        f"each block on W/EP = {W // EP} ranks)",
+        f"each block on W/EP = {W // EP} ranks{where})",
         [
             (
                 "expert params per rank",
-                f"{expert_params_per_rank(config, EP):,}",
+                f"{expert_params:,}",
                 f"routed experts / EP = L_moe · (E/EP) · {expert_matrices}·D·F",
             ),
             (
                 "params per rank",
-                f"{params_per_rank(config, EP):,}",
+                f"{dense_params + expert_params:,}",
                 "replicated (all but routed experts; routers, shared experts) + routed / EP",
             ),
             *(
@@ -801,7 +1047,7 @@ def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingSt
                         f"sharded: non-expert / {dense_shards} + expert / {expert_shards}",
                     )
                 ]
-                if stored != params_per_rank(config, EP)
+                if stored != dense_params + expert_params
                 else []
             ),
             ("optimizer per rank", _human(state.optimizer, "B"), optimizer_formula),
@@ -814,6 +1060,61 @@ def _expert_parallel_table(config: ModelConfig, run: RunShape, state: TrainingSt
             ),
         ],
     )
+
+
+def _pipeline_table(config: ModelConfig, run: RunShape) -> str:
+    """A row per pipeline rank: its stages' pieces, what it holds and, at its peak, the activations in flight."""
+    layout = pipeline_layout(config, run)
+    P, m, V = run.pipeline_size, run.microbatches, layout.num_stages // run.pipeline_size
+    held = held_params_by_rank(config, run)
+    header = ["rank", "stages", "params held", "training state", *(["gathered"] if run.fsdp else []), "in flight"]
+    header += ["activations", "peak"]
+    rows = []
+    for p in range(P):
+        state = training_state_bytes_per_rank(config, run, p).total
+        transient = sharding_transient_bytes(config, run, p).total
+        acts = pipeline_activation_bytes(config, run, p)
+        mine = layout.stages_of_rank(p)
+        flight = " + ".join(str(acts.in_flight[stage]) for stage in mine)
+        dense, routed = held[p]
+        rows.append([
+            str(p),
+            " | ".join(" ".join(map(str, layout.stages[stage])) for stage in mine),
+            f"{dense + routed // run.ep_size:,}",
+            _human(state, "B"),
+            *([_human(transient, "B")] if run.fsdp else []),
+            flight if len(mine) == 1 else f"{sum(acts.in_flight.values())} = {flight}",
+            _human(acts.total, "B"),
+            _human(state + transient + acts.total, "B"),
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        f"Pipeline (PP={P}, schedule {run.schedule}, m={m} micro-batches of b={pipeline_micro_batch_rows(run)} rows, "
+        f"V={V} stage{'s' if V > 1 else ''} per rank, each stage over W={run.dp_size} data-parallel ranks)"
+    ]
+    for row in [header, *rows]:  # the pieces left-aligned, the figures right-aligned
+        cells = [row[i].ljust(w) if i == 1 else row[i].rjust(w) for i, w in enumerate(widths)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    bubble = bubble_fraction(run.schedule, P, m, V)
+    s = ACTIVATION_BYTES[run.precision]
+    notes = [
+        ("bubble", f"{bubble:.1%}", f"{BUBBLE_FORMULAS[run.schedule]}: a stage's idle share of a step, no comms"),
+        ("params held", "-", "its stages' pieces, routed experts / EP; the rows sum to the model"),
+        ("in flight", "-", f"micro-batches held per stage at the peak, {IN_FLIGHT_FORMULAS[run.schedule]}"),
+        (
+            "activations",
+            "-",
+            f"n · (its layers + its output − its input) per stage + the last one's logits and their gradients + "
+            f"torch's m receive buffers and input gradients of b·S·D·s, s = {s} B",
+        ),
+        ("peak", "-", "training state + gathered + activations: predict_peak's figure for the rank"),
+    ]  # fmt: skip
+    if run.fsdp:
+        notes.insert(-1, ("gathered", "-", "FSDP's gathered units, unsharded grads and reduce-scatter input (above)"))
+    width = max(len(name) for name, _, _ in notes)
+    value_width = max(len(value) for _, value, _ in notes)
+    lines += [f"  {name:<{width}}  {value:>{value_width}}  {note}" for name, value, note in notes]
+    return "\n".join(lines)
 
 
 def _activation_table(config: ModelConfig, run: RunShape) -> str:

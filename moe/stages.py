@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from moe.config import ModelConfig
 from moe.ffn import ffn_matmul_flops_per_token
-from moe.ledger import matmul_flops_per_token
+from moe.flops import matmul_flops_per_token
 
 EMBED, NORM, HEAD = "embed", "norm", "head"
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zbv", "dualpipev")
@@ -110,6 +110,12 @@ def parse_layout(stages: list[list[Piece]], n_layers: int, pipeline_size: int, s
     Raises ValueError with one sentence naming what is wrong."""
     if not stages or len(stages) % pipeline_size:
         raise ValueError(f"it has {len(stages)} stages, not a multiple of pipeline_parallel_size={pipeline_size}")
+    per_rank = {"single": 1, "v": 2}.get(style_of(schedule))
+    if per_rank is not None and len(stages) != per_rank * pipeline_size:
+        raise ValueError(
+            f"it has {len(stages)} stages but schedule {schedule} runs {per_rank} per pipeline rank: give "
+            f"{per_rank * pipeline_size}"
+        )
     for index, pieces in enumerate(stages):
         if not pieces:
             raise ValueError(f"stage {index} is empty: give every stage at least one piece")
@@ -119,19 +125,24 @@ def parse_layout(stages: list[list[Piece]], n_layers: int, pipeline_size: int, s
     flat = [piece for pieces in stages for piece in pieces]
     expected = [EMBED, *range(n_layers), NORM, HEAD]
     if flat != expected:
-        seen = [p for p in flat if isinstance(p, int)]
-        missing = sorted(set(range(n_layers)) - set(seen))
-        repeated = sorted({p for p in seen if seen.count(p) > 1})
-        if missing:
-            why = f"misses layer(s) {missing}"
-        elif repeated:
-            why = f"repeats layer(s) {repeated}"
-        elif any(p >= n_layers or p < 0 for p in seen):
+        missing = [p for p in expected if p not in flat]
+        repeated = [p for p in expected if flat.count(p) > 1]
+        if any(isinstance(p, int) and not 0 <= p < n_layers for p in flat):
             why = f"names layers outside 0..{n_layers - 1}"
+        elif missing:
+            why = f"misses {_pieces(missing)}"
+        elif repeated:
+            why = f"repeats {_pieces(repeated)}"
         else:
             why = "puts its pieces out of order (embed first, layers ascending, norm and head last)"
         raise ValueError(f"it {why}: read in order, the stages must spell embed, 0, …, {n_layers - 1}, norm, head")
     return StageLayout(tuple(tuple(pieces) for pieces in stages), pipeline_size, style_of(schedule))
+
+
+def _pieces(pieces: list[Piece]) -> str:
+    layers = [p for p in pieces if isinstance(p, int)]
+    named = [p for p in pieces if not isinstance(p, int)]
+    return " and ".join([*([f"layer(s) {layers}"] if layers else []), *named])
 
 
 def bubble_fraction(schedule: str, pipeline_size: int, microbatches: int, virtual: int = 1) -> float:
@@ -148,3 +159,66 @@ def bubble_fraction(schedule: str, pipeline_size: int, microbatches: int, virtua
         return (p - 1) / (virtual * m + p - 1)
     idle, busy = (p - 1) * 1.0, m * 3.0  # F = 1, B = 2, W = 1: (p-1)(1 + 2 - 2)
     return idle / (busy + idle)
+
+
+BUBBLE_FORMULAS = {
+    "1f1b": "(PP - 1) / (m + PP - 1)",
+    "gpipe": "(PP - 1) / (m + PP - 1)",
+    "interleaved_1f1b": "(PP - 1) / (V·m + PP - 1)",
+    "zbv": "(PP - 1)·F / (m·(F + B) + (PP - 1)·F), B = 2F split into I and W halves",
+    "dualpipev": "(PP - 1)·F / (m·(F + B) + (PP - 1)·F), B = 2F split into I and W halves",
+}  # what `bubble_fraction` computes, in words for the ledger's table
+
+
+def in_flight(schedule: str, pipeline_size: int, microbatches: int, virtual: int, rank: int) -> dict[int, int]:
+    """Micro-batches each stage of pipeline rank p holds activations of, at the moment their total peaks: forwards
+    it has run whose backward (B, or the weight half W under zero bubble: the input half I leaves what W reads) it
+    has not. Read off torch 2.13's schedules (torch/distributed/pipelining/schedules.py) and checked against the
+    order each of them runs (tests/moe/test_ledger_pipeline.py); m micro-batches, V stages per rank:
+      gpipe: every forward before any backward, {p: m};
+      1f1b: min(m, PP - p) warm-up forwards, then one forward per backward, {p: min(m, PP - p)};
+      interleaved_1f1b: torch runs r = max(1, m // PP) rounds of M = m / r micro-batches; rank p warms up with
+        w = min((V-1)·M + 2·(PP-1-p), V·m) forwards and its first steady step adds one before the first backward,
+        so n = min(w + 1, V·m) chunk-forwards, the k-th on stage ((k // M) mod V)·PP + p;
+      zbv: stage p holds min(2·PP - 1 - p, m), stage 2·PP - 1 - p min(p + 1, m), at most 2·PP in all;
+      dualpipev (torch needs m >= 2·PP): stage p holds 2·PP - p, stage 2·PP - 1 - p holds p + 1: 2·PP + 1 in all,
+        one more than zbv, since it overlaps a forward with a backward that has not yet freed its own.
+    Without a pipeline (PP = 1) one micro-batch at a time: {0: 1}."""
+    p, P, m, V = rank, pipeline_size, microbatches, virtual
+    if not 0 <= p < P:
+        raise ValueError(f"pipeline rank {p} is not one of the {P} pipeline ranks: use 0 … {P - 1}")
+    if P == 1:
+        return {0: 1}
+    if schedule == "gpipe":
+        return {p: m}
+    if schedule == "1f1b":
+        return {p: min(m, P - p)}
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, m // P)
+        if m % rounds:
+            raise ValueError(
+                f"interleaved_1f1b runs {rounds} rounds of micro-batches, which {m} micro-batches do not fill evenly: "
+                f"use a multiple of {rounds}"
+            )
+        per_round = m // rounds
+        n = min((V - 1) * per_round + 2 * (P - 1 - p) + 1, V * m)
+        counts = {chunk * P + p: 0 for chunk in range(V)}
+        for k in range(n):
+            counts[(k // per_round) % V * P + p] += 1
+        return counts
+    if schedule == "zbv":
+        return {p: min(2 * P - 1 - p, m), 2 * P - 1 - p: min(p + 1, m)}
+    if schedule == "dualpipev":
+        if m < 2 * P:
+            raise ValueError(f"dualpipev needs at least 2·PP = {2 * P} micro-batches per step, not {m}: raise them")
+        return {p: 2 * P - p, 2 * P - 1 - p: p + 1}
+    raise ValueError(f"schedule={schedule!r} is unknown: use one of {SCHEDULES}")
+
+
+IN_FLIGHT_FORMULAS = {
+    "1f1b": "rank p: min(m, PP - p)",
+    "gpipe": "every rank: m",
+    "interleaved_1f1b": "rank p: min((V-1)·M + 2·(PP-1-p) + 1, V·m), M = m / max(1, m // PP)",
+    "zbv": "rank p: min(2·PP-1-p, m) on stage p + min(p+1, m) on stage 2·PP-1-p",
+    "dualpipev": "rank p: 2·PP - p on stage p + p + 1 on stage 2·PP-1-p",
+}  # what `in_flight` counts, in words for the ledger's table

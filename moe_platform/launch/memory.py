@@ -2,17 +2,18 @@
 built, so a model that cannot fit fails in one sentence instead of allocating for minutes until the OOM killer.
 
 Where the bytes live (per rank, from `moe.ledger.training_state_bytes_per_rank`; experts split over EP ranks, FSDP
-and HSDP shards as the ledger says):
+and HSDP shards as the ledger says; under pipeline parallelism the pieces of the worst pipeline rank's stages):
   * with a GPU: weights, gradients, master copy and optimizer state on the GPU, except what offload moves to host
     memory (ZeRO `offload_optimizer`: the fp32 master copy, AdamW's m and v and at stage >= 2 the fp32 gradient
     partitions; `offload_params`: the weights; FSDP `fsdp.cpu_offload`: every shard); FSDP's gathered units and
     reduce-scatter input stay on the GPU;
   * on CPU: everything in host memory, shared by every rank on this node.
 Host memory also holds, on every rank, the model in fp32 while it is built (4 B/param): the whole model under DDP
-and ZeRO-1/2, which shard it only when Accelerate prepares the engine; under ZeRO-3 (zero.Init) and FSDP
-(train/materialize.py) one piece at a time, at most a block. Activations, buffers and allocator slack are not
-counted, so a run that passes can still run out of memory; one that fails cannot fit. A refusal names the sharded
-layout, ZeRO-3 or FSDP2 (with EP for a MoE model), that fits on the fewest GPUs.
+and ZeRO-1/2, which shard it only when Accelerate prepares the engine; under ZeRO-3 (zero.Init), FSDP and pipeline
+parallelism (train/materialize.py, which fills a stage's pieces) one piece at a time, at most a block. Activations,
+buffers and allocator slack are not counted, so a run that passes can still run out of memory; one that fails
+cannot fit. A refusal names the sharded layout, ZeRO-3 or FSDP2 (with EP for a MoE model), that fits on the fewest
+GPUs.
 """
 
 import dataclasses
@@ -68,26 +69,33 @@ def local_world_size(world_size: int) -> int:
 
 def training_state_demand(config: TrainConfig, world_size: int, has_gpu: bool) -> Demand:
     """Per-rank bytes by place: the ledger's training state, split by GPU presence and offload (ZeRO's, or FSDP's
-    cpu_offload, which moves all its shards), plus what FSDP gathers and reduce-scatters, which stays on the device."""
+    cpu_offload, which moves all its shards), plus what FSDP gathers and reduce-scatters, which stays on the device.
+    Under pipeline parallelism the worst pipeline rank's, on the device and in host memory each."""
     dist = config.distributed
     run = config.run_shape(world_size)
-    state = training_state_bytes_per_rank(config.model, run)
-    transient = sharding_transient_bytes(config.model, run).total
-    if run.fsdp:
-        offloaded = state.total if dist.fsdp.cpu_offload else 0.0
-    else:
-        # ZeRO-Offload keeps the fp32 master, m, v and (stage >= 2) the fp32 gradient partitions in host memory.
-        partitions = state.master + state.optimizer + (state.gradients if dist.zero_stage >= 2 else 0.0)
-        offloaded = (partitions if dist.offload_optimizer else 0.0) + (state.weights if dist.offload_params else 0.0)
-    if run.fsdp or run.zero_stage == 3:
-        # Built in pieces (FSDP: on the meta device, filled block by block, train/materialize.py; ZeRO-3: inside
-        # zero.Init, one module's weights at a time, train/model_build.py): at most the largest block whole.
+    if run.fsdp or run.zero_stage == 3 or run.pipeline_size > 1:
+        # Built in pieces (FSDP and PP: on the meta device, filled block by block, train/materialize.py; ZeRO-3:
+        # inside zero.Init, one module's weights at a time, train/model_build.py): at most the largest block whole.
         build = max(fsdp_unit_params(config.model, ep_size=1)) * FP32_BYTES
     else:
         build = config.model.num_params() * FP32_BYTES
-    if not has_gpu:
-        return Demand(device_bytes=0.0, host_bytes=state.total + transient, build_host_bytes=build)
-    return Demand(device_bytes=state.total - offloaded + transient, host_bytes=offloaded, build_host_bytes=build)
+    device_bytes = host_bytes = 0.0
+    for pipeline_rank in range(run.pipeline_size):
+        state = training_state_bytes_per_rank(config.model, run, pipeline_rank)
+        transient = sharding_transient_bytes(config.model, run, pipeline_rank).total
+        if run.fsdp:
+            offloaded = state.total if dist.fsdp.cpu_offload else 0.0
+        else:
+            # ZeRO-Offload keeps the fp32 master, m, v and (stage >= 2) the fp32 gradient partitions in host memory.
+            partitions = state.master + state.optimizer + (state.gradients if dist.zero_stage >= 2 else 0.0)
+            offloaded = partitions if dist.offload_optimizer else 0.0
+            offloaded += state.weights if dist.offload_params else 0.0
+        if not has_gpu:
+            host_bytes = max(host_bytes, state.total + transient)
+        else:
+            device_bytes = max(device_bytes, state.total - offloaded + transient)
+            host_bytes = max(host_bytes, offloaded)
+    return Demand(device_bytes=device_bytes, host_bytes=host_bytes, build_host_bytes=build)
 
 
 def check_training_state_fits(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> None:
@@ -209,6 +217,8 @@ def _layout(config: TrainConfig, world_size: int) -> str:
     dist = config.distributed
     ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
     ep = f", experts over EP={dist.expert_parallel_size}" if dist.expert_parallel_size > 1 else ""
+    if dist.pipeline_parallel_size > 1:
+        ep += f", {dist.pipeline_parallel_size} pipeline stages (the worst counted)"
     if dist.strategy == "fsdp":
         replicas = dist.fsdp.replicate_size
         kind = f"HSDP ({replicas} replicas)" if replicas > 1 else "FSDP2"

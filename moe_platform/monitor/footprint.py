@@ -61,8 +61,12 @@ class Footprint:
         engine: Any = None,
     ) -> None:
         self.module, self.optimizer, self.accelerator, self.engine = module, optimizer, accelerator, engine
-        self.ledger = training_state_bytes_per_rank(model, run)
-        self.ledger_params = stored_params_per_rank(model, run)
+        self.pipelined = run.pipeline_size > 1
+        # Under PP each pipeline rank holds its own stages: the ledger's figure for every rank (rank r runs pipeline
+        # rank r // (W/PP), parallel/pipeline.py), else one figure for all.
+        pipeline_ranks = [r // run.dp_size for r in range(accelerator.num_processes)] if self.pipelined else [None]
+        self.ledger = [training_state_bytes_per_rank(model, run, p) for p in pipeline_ranks]
+        self.ledger_params = [stored_params_per_rank(model, run, p) for p in pipeline_ranks]
         self.grad_bytes: int | None = None
         self._partition_grads: dict[int, int] = {}
         # DeepSpeed steps inside backward (before `measure_gradients` is called) and frees each partition's gradient
@@ -116,18 +120,21 @@ class Footprint:
         return list(partitions) if partitions is not None else [p for p in optimizer_params if id(p) not in own]
 
     def record(self) -> dict[str, Any]:
-        """Collective: each rank's measured figures (a list over ranks) beside the ledger's for one rank."""
+        """Collective: each rank's measured figures (a list over ranks) beside the ledger's for one rank (under PP a
+        list over ranks too: each holds its own stages)."""
         mine = self.measured()
         local = torch.tensor([mine[name] for name in FIGURES], dtype=torch.int64, device=self.accelerator.device)
         per_rank = self.accelerator.gather(local).view(-1, len(FIGURES)).t().tolist()
         measured = dict(zip(FIGURES, per_rank, strict=True))
         ledger = {
             "params": self.ledger_params,
-            "param_bytes": self.ledger.weights,
-            "master_bytes": self.ledger.master,
-            "grad_bytes": self.ledger.gradients,
-            "optimizer_state_bytes": self.ledger.optimizer,
+            "param_bytes": [state.weights for state in self.ledger],
+            "master_bytes": [state.master for state in self.ledger],
+            "grad_bytes": [state.gradients for state in self.ledger],
+            "optimizer_state_bytes": [state.optimizer for state in self.ledger],
         }
+        if not self.pipelined:  # one figure serves every rank
+            ledger = {name: figures[0] for name, figures in ledger.items()}
         record = {}
         for name in FIGURES:
             record[f"memory/{name}_per_rank"] = measured[name]

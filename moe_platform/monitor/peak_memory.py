@@ -1,6 +1,7 @@
 """Measured peak memory of one training step, beside the ledger's prediction of it.
 
-    predicted = weights + gradients + optimizer state (ledger, per rank) + activations of one micro-batch (ledger)
+    predicted = weights + gradients + optimizer state (ledger, per rank) + activations of one micro-batch (ledger;
+                under pipeline parallelism of every micro-batch the rank holds in flight)
     measured  = the most bytes live tensors held at any moment of the step (forward, backward, optimizer step)
 
 On a GPU the measurement is `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. On CPU torch keeps
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from moe.config import ModelConfig
-from moe.ledger import RunShape, activation_bytes, sharding_transient_bytes, training_state_bytes_per_rank
+from moe.ledger import RunShape, activation_bytes_per_rank, sharding_transient_bytes, training_state_bytes_per_rank
 
 
 @dataclass
@@ -121,18 +122,24 @@ class PeakPrediction:
         return self.state_bytes + self.activation_bytes + self.transient_bytes
 
 
-def predict_peak(config: ModelConfig, run: RunShape) -> PeakPrediction:
+def predict_peak(config: ModelConfig, run: RunShape, pipeline_rank: int | None = None) -> PeakPrediction:
     """Training state per rank (weights + gradients + master + optimizer) + one micro-batch's activations (+ under
-    FSDP and ZeRO-3 what they gather and reduce beyond the shards), from the ledger.
+    FSDP and ZeRO-3 what they gather and reduce beyond the shards), from the ledger. Under pipeline parallelism
+    the figures of `pipeline_rank`'s stages, its activations those of every micro-batch it holds in flight
+    (`moe.ledger.pipeline_activation_bytes`); None: the pipeline rank whose sum is largest.
 
     Gradients and the full activations never peak together (backward frees activations as it writes gradients,
     and the optimizer's temporaries come after both), so this sum bounds the step's tensors from above up to
     what neither counts: transients inside one op, the gradient of the logits, the batch itself."""
-    state = training_state_bytes_per_rank(config, run)
-    activations = activation_bytes(
-        config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
-    )
-    return PeakPrediction(state.total, activations.total, sharding_transient_bytes(config, run).total)
+
+    def of_rank(p: int | None) -> PeakPrediction:
+        state = training_state_bytes_per_rank(config, run, p)
+        activations = activation_bytes_per_rank(config, run, p)
+        return PeakPrediction(state.total, activations, sharding_transient_bytes(config, run, p).total)
+
+    if run.pipeline_size == 1 or pipeline_rank is not None:
+        return of_rank(pipeline_rank)
+    return max((of_rank(p) for p in range(run.pipeline_size)), key=lambda prediction: prediction.total)
 
 
 class PeakMemoryProbe:

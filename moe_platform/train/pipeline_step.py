@@ -17,21 +17,14 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from moe import RunShape, Transformer
+from moe import Transformer
+from moe.ledger import pipeline_layout
 from moe.moe_layer import update_balancing_biases
-from moe.stages import EMBED, StageLayout, balanced_layout, parse_layout
+from moe.stages import EMBED
 from moe.stats import MoEStats
 from moe_platform.config import TrainConfig
 from moe_platform.parallel import fsdp, pipeline
 from moe_platform.parallel.fsdp import ShardingPolicy
-
-
-def stage_layout(config: TrainConfig, run: RunShape) -> StageLayout:
-    """The configured layout (distributed.pipeline.layout), else the FLOP-balanced one."""
-    if run.layout is not None:
-        return parse_layout([list(stage) for stage in run.layout], config.model.n_layers, run.pipeline_size,
-                            run.schedule)  # fmt: skip
-    return balanced_layout(config.model, run.seq_len, run.pipeline_size, run.schedule, run.virtual_stages)
 
 
 def token_mean_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
@@ -45,7 +38,7 @@ class PipelineTraining:
     def __init__(self, config: TrainConfig, accelerator: Accelerator) -> None:
         self.config, self.accelerator = config, accelerator
         self.run = config.run_shape(accelerator.num_processes)
-        self.layout = stage_layout(config, self.run)
+        self.layout = pipeline_layout(config.model, self.run)  # the ledger's: what it counts is what is built
         self.fsdp = config.distributed.strategy == "fsdp"
 
     # ---- build: called by build_model on the meta device ----------------------------------------------------------

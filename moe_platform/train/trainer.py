@@ -550,7 +550,8 @@ class Trainer:
         if not self.config.logging.peak_memory:
             print(line, flush=True)
             return
-        predicted = predict_peak(self.config.model, self.run_shape)
+        pipeline_rank = self.pipeline.meshes.pipeline_rank if self.pipeline is not None else None  # its own stages
+        predicted = predict_peak(self.config.model, self.run_shape, pipeline_rank)
         print(line + "\n" + self.peak_memory.describe(predicted), flush=True)
 
 
