@@ -2,14 +2,14 @@
 
 One chain of runs serves the layouts and the resume (a start of 8 ranks costs ~30 s on two cores):
   one_process  ROUTING's training (capacity drops, the aux-free bias) in one process, 12 steps: the reference
-  the chain    8 ranks FSDP, PP=2 × EP=2 × edp 2, to step 3 → one process (PP=1) to 6 → PP=4 DDP on 4 ranks to 9
-               → 8 ranks DDP, PP=2 × EP=2 × DP 2, to 12: every step logged once, within 1e-5 of one_process
-               (loss, grad norm, aux loss; tokens per expert exactly), its data position, and the last
-               checkpoint exported whole equals one_process's weights
+  the chain    8 ranks FSDP, PP=2 × EP=2 × edp 2, to step 3 → one process (PP=1) to 6 → PP=4 DDP on 4 ranks,
+               each block recomputed in backward, to 9 → 8 ranks DDP, PP=2 × EP=2 × DP 2, to 12: every step
+               logged once, within 1e-5 of one_process (loss, grad norm, aux loss; tokens per expert exactly), its
+               data position, and the last checkpoint exported whole equals one_process's weights
 A NaN is named where it began, in stage order, and the step skipped on every stage; a stage that hangs (its rank
 stalled inside a step) ends every rank within distributed.timeout_s, named, exit 5; bf16 runs under DDP (autocast:
-fp32 hidden states, bf16 logits between stages). The schedules and the mechanics
-against one process: test_pipeline_schedules.py; a SIGKILL at random points: test_chaos.py."""
+fp32 hidden states, bf16 logits between stages). The schedules and the mechanics against one process:
+test_pipeline_schedules.py; a SIGKILL at random points: test_chaos.py."""
 
 import json
 import math
@@ -56,7 +56,14 @@ def test_a_chain_of_pipeline_layouts_trains_and_resumes_like_one_process(tmp_pat
         run_dir,
         one_process,
         Job(*RUN, stop_at=6),
-        Job(*RUN, "distributed=ddp", "distributed.pipeline_parallel_size=4", nproc=4, stop_at=9),
+        Job(
+            *RUN,
+            "distributed=ddp",
+            "distributed.pipeline_parallel_size=4",
+            "trainer.activation_checkpointing=full",
+            nproc=4,
+            stop_at=9,
+        ),
         Job(*RUN, "distributed=ddp", *PP2_EP2, "trainer.save_final=true", nproc=8),
         match=CLOSE,
     )
