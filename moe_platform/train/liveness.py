@@ -46,6 +46,8 @@ STORE_DEADLINE_S = 15.0  # a store that has not answered the whole exchange by t
 # Gloo's errors reach Python as plain RuntimeErrors when raised inside autograd (DDP's gradient all-reduce), and a
 # pipeline schedule's timed-out send or receive as gloo's "Application timeout caused pair closure".
 MARKERS = ("gloo", "nccl", "c10d", "connection closed by peer", "connection reset by peer", "pair closure")
+# A collective or send that waited out the timeout, as torch says it, or as gloo's transport closing the pair says it.
+TIMED_OUT = ("timed out", "application timeout")
 
 
 def is_distributed_error(err: BaseException) -> bool:
@@ -104,7 +106,7 @@ class Liveness:
         thread.start()
         thread.join(STORE_DEADLINE_S)
         blame = found[0] if found else self._store_gone(f"did not answer within {STORE_DEADLINE_S:.0f} s")
-        if "timed out" in str(err).lower():
+        if any(words in str(err).lower() for words in TIMED_OUT):
             saw = f"this rank {self.rank} waited distributed.timeout_s={self.timeout_s} s in a collective"
         else:
             saw = f"this rank {self.rank} saw a collective fail: {_first_line(err)}"

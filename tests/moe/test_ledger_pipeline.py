@@ -453,9 +453,10 @@ def measure_a_pipeline_step_on_this_rank(rank: int, world_size: int) -> dict[str
     import torch
 
     from moe import Transformer
+    from moe.ledger import pipeline_layout
     from moe_platform.monitor.peak_memory import measure_peak, storage_bytes
     from moe_platform.parallel import pipeline
-    from moe_platform.train.pipeline_step import stage_layout, token_mean_loss
+    from moe_platform.train.pipeline_step import token_mean_loss
 
     torch.set_num_threads(1)
     micro, seq, m = 2, 128, 4
@@ -467,7 +468,7 @@ def measure_a_pipeline_step_on_this_rank(rank: int, world_size: int) -> dict[str
             f"trainer.micro_batch_size={micro}", f"data.seq_len={seq}",
         ])  # fmt: skip
         run = config.run_shape(world_size)
-        layout = stage_layout(config, run)
+        layout = pipeline_layout(config.model, run)
         meshes = pipeline.build_meshes("cpu", world_size, 1, 1)
         torch.manual_seed(0)
         model = Transformer(config.model)
