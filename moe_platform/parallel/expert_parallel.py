@@ -54,20 +54,34 @@ def shard_model(model: nn.Module, groups: ExpertParallelGroups) -> None:
 def reduce_expert_gradients(model: nn.Module, groups: ExpertParallelGroups) -> None:
     """g_expert = (1/W) Σ_{EDP} local_grad: call after the step's last backward, before clipping."""
     grads = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
+    sum_and_divide(grads, groups.data_group if groups.data_size > 1 else None, groups.world_size)
+
+
+@torch.no_grad()
+def sum_and_divide(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """g ← (Σ_group g) / divisor for every tensor of `grads`, in one all-reduce of one flat buffer (none when
+    `group` is None: a group of one)."""
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if groups.data_size > 1:
-        dist.all_reduce(flat, group=groups.data_group)
-    flat.div_(groups.world_size)
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat.div_(divisor)
     pieces = flat.split([g.numel() for g in grads])
     torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads, strict=True)])
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float, groups: ExpertParallelGroups) -> float:
+def clip_grad_norm(
+    model: nn.Module,
+    max_norm: float,
+    groups: ExpertParallelGroups | None,
+    stages_group: dist.ProcessGroup | None = None,
+) -> float:
     """Scale all gradients so the global norm is at most `max_norm` (torch's clipping rule, as without EP);
-    returns the norm before clipping."""
+    returns the norm before clipping. Under pipeline parallelism the model holds one stage's weights, and
+    `stages_group` (one rank per stage) adds the stages' squares:
+        ‖g‖² = Σ_stages (‖g_replicated‖² + Σ_EP blocks ‖g_block‖²)."""
     replicated, experts = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
@@ -75,9 +89,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float, groups: ExpertParallelGrou
     device = next(model.parameters()).device
     replicated_sq = _sum_of_squares(replicated, device)
     expert_sq = _sum_of_squares(experts, device)
-    if groups.expert_parallel.size > 1:
+    if groups is not None and groups.expert_parallel.size > 1:
         dist.all_reduce(expert_sq, group=groups.expert_parallel.group)
-    total = (replicated_sq + expert_sq).sqrt()
+    total_sq = replicated_sq + expert_sq
+    if stages_group is not None:
+        dist.all_reduce(total_sq, group=stages_group)
+    total = total_sq.sqrt()
     if math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(replicated + experts, max_norm, total)
     return float(total)

@@ -30,7 +30,6 @@ all W ranks of the local shards (fsdp.clip_grad_norm) does.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,11 +47,12 @@ from torch.distributed.pipelining import (
 )
 
 from moe import MoELayer, Transformer
-from moe.expert_parallel import ExpertParallel, expert_parameters, is_expert_parameter
+from moe.expert_parallel import expert_parameters, is_expert_parameter
 from moe.model import Block, total_aux_loss
 from moe.stages import EMBED, HEAD, StageLayout
 from moe.stats import MoEStats
-from moe_platform.parallel.expert_parallel import reduce_expert_gradients, shard_experts
+from moe_platform.parallel import expert_parallel
+from moe_platform.parallel.expert_parallel import reduce_expert_gradients, shard_experts, sum_and_divide
 from moe_platform.parallel.fsdp import ShardingMeshes, ShardingPolicy
 from moe_platform.parallel.groups import ExpertParallelGroups
 
@@ -73,7 +73,6 @@ class PipelineMeshes:
     """This rank's place: its pipeline rank and group, and its stage's data-parallel meshes (dense, experts)."""
 
     pipeline_rank: int
-    pipeline_size: int
     pipeline_group: dist.ProcessGroup
     stage: ShardingMeshes  # world_size = D, the ranks of one stage
 
@@ -115,7 +114,6 @@ def build_meshes(device_type: str, pipeline_size: int, replicate_size: int, ep_s
         experts = DeviceMesh(device_type, ranks_pp_ep_edp, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
     return PipelineMeshes(
         pipeline_rank=world.get_local_rank("pp"),
-        pipeline_size=pipeline_size,
         pipeline_group=world.get_group("pp"),
         stage=ShardingMeshes(dense=dense, experts=experts, world_size=D),
     )
@@ -311,51 +309,24 @@ def sync_gradients(model: Transformer, meshes: PipelineMeshes) -> None:
     """DDP's average inside a stage: g = (1/D) Σ_stage ranks g_r for replicated weights, experts over their EDP
     group (expert_parallel.reduce_expert_gradients at world size D). A weight without a gradient this step counts
     as zero on every rank, so the flat buffers line up."""
-    split = meshes.expert_groups is not None  # without EP the experts are replicated like the rest
+    groups = meshes.expert_groups  # without EP the experts are replicated like the rest
     replicated = [
-        p for name, p in model.named_parameters() if p.requires_grad and not (split and is_expert_parameter(name))
+        p for name, p in model.named_parameters() if p.requires_grad and not (groups and is_expert_parameter(name))
     ]
     for p in replicated:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if meshes.dp_size > 1 and replicated:
-        flat = torch.cat([p.grad.reshape(-1) for p in replicated])
-        dist.all_reduce(flat, group=meshes.dp_group)
-        flat.div_(meshes.dp_size)
-        pieces = flat.split([p.numel() for p in replicated])
-        views = [piece.view_as(p) for piece, p in zip(pieces, replicated, strict=True)]
-        torch._foreach_copy_([p.grad for p in replicated], views)
-    groups = meshes.expert_groups
-    if split:
+    sum_and_divide([p.grad for p in replicated], meshes.dp_group if meshes.dp_size > 1 else None, meshes.dp_size)
+    if groups is not None:
         for _, p in expert_parameters(model):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         reduce_expert_gradients(model, groups)
 
 
-@torch.no_grad()
 def clip_grad_norm(model: Transformer, max_norm: float, meshes: PipelineMeshes) -> float:
-    """DDP under PP: ‖g‖² = Σ_stages (‖g_replicated‖² + Σ_EP blocks ‖g_block‖²), summed over the pipeline group
-    (one rank per stage), then torch's clipping rule; returns the norm before clipping."""
-    replicated, experts = [], []
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            (experts if is_expert_parameter(name) else replicated).append(p)
-    device = next(model.parameters()).device
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    replicated_sq = sum((p.grad.double().pow(2).sum() for p in replicated), zero)
-    expert_sq = sum((p.grad.double().pow(2).sum() for p in experts), zero.clone())
-    groups = meshes.expert_groups
-    if groups is not None and groups.expert_parallel.size > 1:
-        dist.all_reduce(expert_sq, group=groups.expert_parallel.group)
-    total_sq = replicated_sq + expert_sq
-    dist.all_reduce(total_sq, group=meshes.pipeline_group)
-    total = float(total_sq.sqrt())
-    if math.isfinite(max_norm) and math.isfinite(total):
-        coefficient = min(1.0, max_norm / (total + 1e-6))  # torch.nn.utils.clip_grads_with_norm_'s
-        if coefficient < 1.0:
-            torch._foreach_mul_([p.grad for p in replicated + experts], coefficient)
-    return total
+    """DDP under PP: expert_parallel.clip_grad_norm, the stages' squares summed over the pipeline group."""
+    return expert_parallel.clip_grad_norm(model, max_norm, meshes.expert_groups, meshes.pipeline_group)
 
 
 # ---- forward only (evaluation) -------------------------------------------------------------------------------------
@@ -399,8 +370,3 @@ def forward_only(
         x = out
     last = layout.num_stages - 1
     return out if last in mine else None
-
-
-def expert_parallel_of(meshes: PipelineMeshes) -> ExpertParallel | None:
-    groups = meshes.expert_groups
-    return groups.expert_parallel if groups is not None else None

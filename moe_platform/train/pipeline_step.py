@@ -19,7 +19,6 @@ from accelerate import Accelerator
 
 from moe import Transformer
 from moe.ledger import pipeline_layout
-from moe.moe_layer import update_balancing_biases
 from moe.stages import EMBED
 from moe.stats import MoEStats
 from moe_platform.config import TrainConfig
@@ -121,10 +120,6 @@ class PipelineTraining:
             return fsdp.clip_grad_norm(self.model, max_norm)
         pipeline.sync_gradients(self.model, self.meshes)
         return pipeline.clip_grad_norm(self.model, max_norm, self.meshes)
-
-    def update_balancing_biases(self) -> None:
-        """Counts summed over the stage's ranks: each layer's bias moves once per step, on its own stage."""
-        update_balancing_biases(self.model, group=self.meshes.dp_group)
 
     def logits(self, batch: dict) -> torch.Tensor | None:
         """One batch's logits through every stage (evaluation), on the last stage's rank; None elsewhere."""

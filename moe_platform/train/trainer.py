@@ -335,23 +335,34 @@ class Trainer:
                 faults.point("backward", step)
                 self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss))
                 if self.accelerator.sync_gradients:  # the last micro-batch: only here is there a step to take
-                    grad_norm = self._clip_gradients()
-                    self.footprint.measure_gradients()  # the first step's, before the step frees them
-                    applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
-                    if applied:
-                        self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    grad_norm, applied = self._update()
             lm_losses.append(lm_loss.detach())
             aux_losses.append(output.aux_loss.detach().float())
             stats = _add_stats(stats, _moe_stats(output))
-        if applied:
-            update_balancing_biases(self.module)
-            self.nan_guard.step_applied()
-        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, list(map(torch.add, lm_losses, aux_losses))):
-            self._halt(halt)
-        faults.point("step_end", step)
+        self._after_update(step, applied, inputs, list(map(torch.add, lm_losses, aux_losses)))
         lm_loss, aux_loss = float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean())
         return lm_loss, aux_loss, grad_norm, stats, applied
+
+    def _update(self) -> tuple[float, bool]:
+        """After the step's last backward: clip, and step unless the global grad norm is not finite (the same
+        verdict on every rank); returns the norm and whether the update went in."""
+        grad_norm = self._clip_gradients()
+        self.footprint.measure_gradients()  # the first step's, before the step frees them
+        applied = self.nan_guard.step_is_finite(grad_norm)
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, applied
+
+    def _after_update(self, step: int, applied: bool, inputs: list[dict], losses: list[torch.Tensor]) -> None:
+        """The aux-free bias moves after an applied step (counts summed over the ranks sharing the layers: a
+        stage's under PP); a withheld one goes to the NaN guard, which skips it or halts."""
+        if applied:
+            update_balancing_biases(self.module, group=self.pipeline.meshes.dp_group if self.pipeline else None)
+            self.nan_guard.step_applied()
+        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, losses):
+            self._halt(halt)
+        faults.point("step_end", step)
 
     def _pipeline_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
         """One optimizer step through the pipeline schedule (train/pipeline_step.py); returns what train_step does,
@@ -361,18 +372,8 @@ class Trainer:
         faults.point("forward", step)
         faults.point("backward", step)  # inside the schedule both run micro-batch by micro-batch
         lm_losses, aux_loss, stats = self.pipeline.forward_backward(inputs)
-        grad_norm = self._clip_gradients()
-        self.footprint.measure_gradients()
-        applied = self.nan_guard.step_is_finite(grad_norm)  # the same on every rank
-        if applied:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if applied:
-            self.pipeline.update_balancing_biases()
-            self.nan_guard.step_applied()
-        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, lm_losses or [aux_loss]):
-            self._halt(halt)
-        faults.point("step_end", step)
+        grad_norm, applied = self._update()
+        self._after_update(step, applied, inputs, lm_losses or [aux_loss])
         lm_loss = float(torch.stack(lm_losses).mean()) if lm_losses else 0.0
         return lm_loss, float(aux_loss), grad_norm, stats, applied
 
