@@ -43,6 +43,11 @@ class MoEStats:
         return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in self._tensors()])
 
     @classmethod
+    def zeros(cls, num_experts: int) -> MoEStats:
+        """No token routed: what a layer another pipeline stage runs adds to this rank's sums."""
+        return cls.from_vector(torch.zeros(2 * num_experts + len(dataclasses.fields(cls)) - 2), num_experts)
+
+    @classmethod
     def from_vector(cls, vector: torch.Tensor, num_experts: int) -> MoEStats:
         """Inverse of `to_vector` (e.g. after an all-reduce); counts come back as int64."""
         fields = dataclasses.fields(cls)

@@ -144,12 +144,10 @@ class PipelineTraining:
         config = self.config.model
         if config.moe is None:
             return stats
-        num_experts = config.moe.num_experts
-        size = 2 * num_experts + 6
         padded = dict(stats)
         for layer in range(config.n_layers):
             if config.is_moe_layer(layer) and layer not in padded:
-                padded[layer] = MoEStats.from_vector(torch.zeros(size, dtype=torch.float64), num_experts)
+                padded[layer] = MoEStats.zeros(config.moe.num_experts)
         return padded
 
     def whole_model_order(self, whole: Transformer, param_groups: Callable) -> list[list[str]]:
