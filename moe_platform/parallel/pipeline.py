@@ -73,6 +73,7 @@ class PipelineMeshes:
     """This rank's place: its pipeline rank and group, and its stage's data-parallel meshes (dense, experts)."""
 
     pipeline_rank: int
+    pipeline_size: int
     pipeline_group: dist.ProcessGroup
     stage: ShardingMeshes  # world_size = D, the ranks of one stage
 
@@ -114,6 +115,7 @@ def build_meshes(device_type: str, pipeline_size: int, replicate_size: int, ep_s
         experts = DeviceMesh(device_type, ranks_pp_ep_edp, mesh_dim_names=("pp", "ep", "edp"))["ep", "edp"]
     return PipelineMeshes(
         pipeline_rank=world.get_local_rank("pp"),
+        pipeline_size=pipeline_size,
         pipeline_group=world.get_group("pp"),
         stage=ShardingMeshes(dense=dense, experts=experts, world_size=D),
     )
