@@ -5,6 +5,7 @@ Hydra override fails at start-up instead of deep inside a matmul. Types are plai
 so Hydra's ConfigStore can hold the dataclass as a structured config.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -208,6 +209,25 @@ def norm_num_params(config: ModelConfig) -> int:
     return 2 * config.d_model if config.norm == "layernorm" else config.d_model
 
 
+def memoized_by_config(function):
+    """Cache a pure function of a ModelConfig (and hashable arguments) by the config's repr, which a dataclass
+    spells from every field, nested ones too: ModelConfig is mutable, so it cannot be a dict key itself, and the
+    planner (moe_platform/plan) asks the same questions of one model thousands of times."""
+    cache: dict = {}
+
+    @functools.wraps(function)
+    def cached(config, *args, **kwargs):
+        key = (repr(config), args, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            if len(cache) >= 4096:
+                cache.clear()
+            cache[key] = function(config, *args, **kwargs)
+        return cache[key]
+
+    return cached
+
+
+@memoized_by_config
 def count_parameters(config: ModelConfig) -> ParameterCount:
     ffn_total = ffn_active = routed_experts = 0
     for layer in range(config.n_layers):

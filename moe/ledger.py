@@ -23,7 +23,7 @@ from moe.checkpointing import MODES as CHECKPOINTING
 
 # Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
 # arrow points one way: ledger → config.
-from moe.config import ModelConfig, attention_num_params, count_parameters, norm_num_params
+from moe.config import ModelConfig, attention_num_params, count_parameters, memoized_by_config, norm_num_params
 from moe.dispatch import expert_capacity
 from moe.ffn import ffn_num_params
 from moe.flops import matmul_flops_per_token  # the FLOP table lives there: moe/stages.py costs layers with it
@@ -291,6 +291,7 @@ def _piece_params(config: ModelConfig, piece: Piece) -> tuple[int, int]:
     return _block_params(config, piece)
 
 
+@memoized_by_config
 def _block_params(config: ModelConfig, layer: int) -> tuple[int, int]:
     """(non-expert, routed-expert) parameters of one block: attention, its two norms, and the dense FFN, or the
     MoE layer (router, shared experts; and the E routed experts apart)."""
@@ -303,6 +304,7 @@ def _block_params(config: ModelConfig, layer: int) -> tuple[int, int]:
     return attention_num_params(config) + norms + moe.num_params(config.d_model, config.activation) - routed, routed
 
 
+@memoized_by_config
 def held_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, int]]:
     """(non-expert, routed-expert) parameters each pipeline rank's stages hold, the routed experts all E of their
     layers (a rank keeps E/EP); at PP = 1 the whole model's, once. Summed over ranks: the model's total."""

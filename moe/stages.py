@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.config import ModelConfig
+from moe.config import ModelConfig, memoized_by_config
 from moe.ffn import ffn_matmul_flops_per_token
 from moe.flops import matmul_flops_per_token
 
@@ -58,7 +58,8 @@ def style_of(schedule: str) -> str:
     return "v" if schedule in V_SHAPED else "loop" if schedule in LOOPED else "single"
 
 
-def layer_costs(config: ModelConfig, seq_len: int) -> list[int]:
+@memoized_by_config
+def layer_costs(config: ModelConfig, seq_len: int) -> tuple[int, ...]:
     """Training matmul FLOPs per token of each layer (3 × forward), the head's added to the last."""
     flops = matmul_flops_per_token(config, seq_len)
     attention = (flops.projections + flops.attention) // config.n_layers
@@ -70,9 +71,10 @@ def layer_costs(config: ModelConfig, seq_len: int) -> list[int]:
             ffn = ffn_matmul_flops_per_token(config.d_model, config.d_ff, config.activation)
         costs.append(3 * (attention + ffn))
     costs[-1] += 3 * flops.lm_head
-    return costs
+    return tuple(costs)
 
 
+@memoized_by_config
 def balanced_layout(config: ModelConfig, seq_len: int, pipeline_size: int, schedule: str, virtual: int) -> StageLayout:
     """The contiguous cut of the layers into PP · V stages whose costliest stage is cheapest (exact, by dynamic
     programming over cut points); ties go to the cut with the earlier stages heavier, which hold no head."""

@@ -73,7 +73,9 @@ WINGS: dict[str, set[str]] = {
     "monitor": set(),  # reads records and configs; never steers training or touches checkpoints
     "interop": {"checkpoint"},  # reads our checkpoints to convert or start from them; never the trainer
     "train": {"checkpoint", "parallel", "monitor", "interop"},
-    "launch": {"train", "checkpoint", "parallel", "monitor", "interop"},  # the commands; nothing imports them
+    # memory and time of a layout from the ledger; builds one rank on the meta device with the real strategies
+    "plan": {"parallel", "train", "monitor"},
+    "launch": {"train", "checkpoint", "parallel", "monitor", "interop", "plan"},  # the commands; nothing imports them
 }
 # Modules at the root of moe_platform: what every wing stands on; they import no wing.
 ROOT_MODULES = {"moe_platform", "moe_platform.config", "moe_platform.redact", "moe_platform.faults"}

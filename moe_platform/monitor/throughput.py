@@ -28,6 +28,10 @@ GPU_PEAK_TFLOPS: dict[tuple[str, str], float] = {
     ("NVIDIA H200 NVL", "fp32"): 60.0,
     ("NVIDIA H100 80GB HBM3", "bf16"): 989.5,  # H100 SXM5
     ("NVIDIA H100 80GB HBM3", "fp32"): 67.0,
+    ("NVIDIA H800", "bf16"): 989.5,  # H100 SXM's compute, export NVLink
+    ("NVIDIA H800", "fp32"): 67.0,
+    ("NVIDIA B200", "bf16"): 2250.0,  # HGX B200, per GPU
+    ("NVIDIA B200", "fp32"): 75.0,
     ("NVIDIA H100 PCIe", "bf16"): 756.5,
     ("NVIDIA H100 PCIe", "fp32"): 51.0,
     ("NVIDIA H100 NVL", "bf16"): 835.5,
