@@ -5,7 +5,9 @@ Hydra override fails at start-up instead of deep inside a matmul. Types are plai
 so Hydra's ConfigStore can hold the dataclass as a structured config.
 """
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -209,15 +211,49 @@ def norm_num_params(config: ModelConfig) -> int:
     return 2 * config.d_model if config.norm == "layernorm" else config.d_model
 
 
+_FROZEN_KEYS: dict[int, tuple[object, str]] | None = None  # id → (config, its repr) inside `configs_frozen`
+
+
+@contextlib.contextmanager
+def configs_frozen() -> Iterator[None]:
+    """Inside, `memoized_by_config` keys a config by its identity, its repr taken once: for a caller that asks
+    thousands of questions of configs it does not change meanwhile (the planner). Outside, by repr each call."""
+    global _FROZEN_KEYS
+    outer = _FROZEN_KEYS
+    _FROZEN_KEYS = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _FROZEN_KEYS = outer
+
+
+def _config_key(config) -> str:
+    if _FROZEN_KEYS is None:
+        return repr(config)
+    entry = _FROZEN_KEYS.get(id(config))
+    if entry is None or entry[0] is not config:
+        entry = _FROZEN_KEYS[id(config)] = (config, repr(config))  # holding the config keeps its id unique
+    return entry[1]
+
+
+def _hashable(value):
+    """Lists (a stage's layers) as tuples, inside tuples too, so they can be part of a key."""
+    if type(value) is list:
+        return tuple(value)
+    if type(value) is tuple and any(type(v) in (list, tuple) for v in value):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
 def memoized_by_config(function):
     """Cache a pure function of a ModelConfig (and hashable arguments) by the config's repr, which a dataclass
     spells from every field, nested ones too: ModelConfig is mutable, so it cannot be a dict key itself, and the
-    planner (moe_platform/plan) asks the same questions of one model thousands of times."""
+    planner (moe_platform/plan) asks the same questions of one model thousands of times (`configs_frozen`)."""
     cache: dict = {}
 
     @functools.wraps(function)
     def cached(config, *args, **kwargs):
-        key = (repr(config), args, tuple(sorted(kwargs.items())))
+        key = (_config_key(config), _hashable(args), _hashable(tuple(sorted(kwargs.items()))))
         if key not in cache:
             if len(cache) >= 4096:
                 cache.clear()

@@ -3,7 +3,7 @@ stages (moe/stages.py), which the ledger reads, can cost their layers with it, o
 
 from dataclasses import dataclass
 
-from moe.config import ModelConfig
+from moe.config import ModelConfig, memoized_by_config
 from moe.ffn import ffn_matmul_flops_per_token
 
 
@@ -43,6 +43,7 @@ def _mla_flops_per_token(config: ModelConfig, seq_len: int) -> tuple[int, int]:
     return query + kv_down + kv_up + out, attention
 
 
+@memoized_by_config
 def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
     """GQA: projections 2·D·(2·H·d_h + 2·H_kv·d_h), attention 4·S·H·d_h; MLA: `_mla_flops_per_token`. ALiBi's
     bias is an addition, no matmul, so it changes neither."""

@@ -640,6 +640,7 @@ def _moe_bytes(config: ModelConfig, num_tokens: int, s: int) -> tuple[int, int]:
     return _norm_bytes(config, num_tokens, s) + router + hidden + shared, dispatch
 
 
+@memoized_by_config
 def activation_bytes(
     config: ModelConfig,
     micro_batch_size: int,
@@ -816,6 +817,35 @@ def activation_bytes_per_rank(config: ModelConfig, run: RunShape, pipeline_rank:
             config, run.micro_batch_size, run.seq_len, run.precision, run.checkpointing, run.attention_mask
         ).total
     return _worst(run, pipeline_rank, lambda p: pipeline_activation_bytes(config, run, p).total, float)
+
+
+def expert_received_bytes(config: ModelConfig, run: RunShape, pipeline_rank: int | None = None) -> float:
+    """The part of `activation_bytes_per_rank` that grows with the assignments an expert rank receives: per MoE layer
+    kept for backward, the A gathered rows x_AD (A·D·s) and the expert hidden units over them; under PP times the
+    micro-batches in flight of its stages; under checkpointing ("moe", "full") only the one MoE layer rebuilt at a
+    time. Uniform routing (A = N·K); a rank receiving f times the mean holds (f - 1) times this much more."""
+    if config.moe is None:
+        return 0.0
+    _check_layout(config, run)
+    s, N = ACTIVATION_BYTES[run.precision], pipeline_micro_batch_rows(run) * run.seq_len
+    A = _assignments(config, N)
+    per_layer = A * config.d_model * s + _hidden_bytes(A, config.moe.expert_d_ff, config.activation, s)
+
+    def of_rank(p: int) -> float:
+        if run.pipeline_size == 1:
+            layers_in_flight = [(list(range(config.n_layers)), 1)]
+        else:
+            layout = pipeline_layout(config, run)
+            counts = in_flight(
+                run.schedule, run.pipeline_size, run.microbatches, layout.num_stages // run.pipeline_size, p
+            )
+            layers_in_flight = [(layout.layers(stage), counts[stage]) for stage in layout.stages_of_rank(p)]
+        moe_layers = [(sum(map(config.is_moe_layer, layers)), n) for layers, n in layers_in_flight]
+        if run.checkpointing != "none":
+            return per_layer if any(count for count, _ in moe_layers) else 0.0
+        return per_layer * sum(count * n for count, n in moe_layers)
+
+    return _worst(run, pipeline_rank, of_rank, float)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from moe_platform.launch.compose import (
     plain_run,
     register_configs,
 )
-from moe_platform.launch.memory import check_training_state_fits, local_rank, local_world_size, this_machine_memory
+from moe_platform.launch.memory import check_memory_fits, local_rank, local_world_size, this_machine_memory
 from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
 from moe_platform.train.nan_guard import NumericalFault
 from moe_platform.train.preemption import RequeueLimitReached
@@ -91,7 +91,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     config = to_train_config(cfg)
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
-    check_training_state_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
+    check_memory_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
     preflight(config.data, config.model.vocab_size, world_size, config.trainer.micro_batch_size)  # no tokenizing yet
     own_dir = Path(HydraConfig.get().runtime.output_dir)
     candidates, passed_over = resume_candidates(config.resume, own_dir)  # newest first, files all present

@@ -1,40 +1,43 @@
-"""Will the run fit? The ledger's training-state bytes against this machine's memory, checked before anything is
-built, so a model that cannot fit fails in one sentence instead of allocating for minutes until the OOM killer.
+"""Will the run fit? The planner's peak memory per rank against this machine, checked before anything is built, so a
+layout that cannot fit fails in one sentence instead of allocating for minutes until the OOM killer or CUDA does.
 
-Where the bytes live (per rank, from `moe.ledger.training_state_bytes_per_rank`; experts split over EP ranks, FSDP
-and HSDP shards as the ledger says; under pipeline parallelism the pieces of the worst pipeline rank's stages):
-  * with a GPU: weights, gradients, master copy and optimizer state on the GPU, except what offload moves to host
-    memory (ZeRO `offload_optimizer`: the fp32 master copy, AdamW's m and v and at stage >= 2 the fp32 gradient
-    partitions; `offload_params`: the weights; FSDP `fsdp.cpu_offload`: every shard); FSDP's gathered units and
-    reduce-scatter input stay on the GPU;
+The demand is moe-plan's (plan/memory.py `rank_memory`: weights, gradients, optimizer state, activations at the
+peak, what FSDP or ZeRO-3 gathers, communication buffers; under pipeline parallelism the worst pipeline rank):
+  * with a GPU: all of it on the GPU except what offload moves to host memory (ZeRO `offload_optimizer` and
+    `offload_params`, FSDP `fsdp.cpu_offload`);
   * on CPU: everything in host memory, shared by every rank on this node.
 Host memory also holds, on every rank, the model in fp32 while it is built (4 B/param): the whole model under DDP
 and ZeRO-1/2, which shard it only when Accelerate prepares the engine; under ZeRO-3 (zero.Init), FSDP and pipeline
-parallelism (train/materialize.py, which fills a stage's pieces) one piece at a time, at most a block. Activations,
-buffers and allocator slack are not counted, so a run that passes can still run out of memory; one that fails
-cannot fit. A refusal names the sharded layout, ZeRO-3 or FSDP2 (with EP for a MoE model), that fits on the fewest
-GPUs.
+parallelism (train/materialize.py, which fills a stage's pieces) one piece at a time, at most a block.
+
+A refusal names what moe-plan would launch instead: the fastest layout that fits these ranks (plan/layouts.py, the
+same model), or, when none does, the fewest nodes on which one fits. moe-submit makes the same check for the GPU
+it is told (`--gpu`) before anything reaches the queue (`plan_refusal`).
 """
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
 import psutil
 import torch
 
-from moe.ledger import fsdp_unit_params, sharding_transient_bytes, training_state_bytes_per_rank
-from moe_platform.config import ConfigError, DistributedConfig, FSDPConfig, TrainConfig
+from moe.ledger import fsdp_unit_params
+from moe_platform.config import ConfigError, TrainConfig
+from moe_platform.plan.hardware import GIGA, NOMINAL_CPU, Cluster, gpu_of_device
+from moe_platform.plan.layouts import DEFAULT_HEADROOM, Headroom, Plan, plan_layouts, smallest_fitting_nodes
+from moe_platform.plan.memory import rank_memory
 
 FP32_BYTES = 4
+OVERRIDE = "or set distributed.check_memory=false if you know better"
+SMALLER_PRESET = "pick a smaller preset such as model=moe_small"
 
 
 @dataclass(frozen=True)
 class Memory:
     """What this node offers one rank's device and all its ranks' host memory, in bytes."""
 
-    gpu: str | None  # the GPU's name; None on CPU
+    gpu: str | None  # the GPU's name as torch reports it; None on CPU
     device_bytes: float  # free memory of this rank's GPU; on CPU the host's available memory
     host_bytes: float  # the host's available memory, shared by the ranks of this node
 
@@ -67,150 +70,132 @@ def local_world_size(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-def training_state_demand(config: TrainConfig, world_size: int, has_gpu: bool) -> Demand:
-    """Per-rank bytes by place: the ledger's training state, split by GPU presence and offload (ZeRO's, or FSDP's
-    cpu_offload, which moves all its shards), plus what FSDP gathers and reduce-scatters, which stays on the device.
-    Under pipeline parallelism the worst pipeline rank's, on the device and in host memory each."""
-    dist = config.distributed
+def build_host_bytes(config: TrainConfig, world_size: int) -> float:
+    """fp32 bytes a rank holds in host memory while it builds the model: the whole model, or under FSDP, ZeRO-3 and
+    pipeline parallelism (built on the meta device and filled block by block, or inside zero.Init) the largest
+    block."""
     run = config.run_shape(world_size)
     if run.fsdp or run.zero_stage == 3 or run.pipeline_size > 1:
-        # Built in pieces (FSDP and PP: on the meta device, filled block by block, train/materialize.py; ZeRO-3:
-        # inside zero.Init, one module's weights at a time, train/model_build.py): at most the largest block whole.
-        build = max(fsdp_unit_params(config.model, ep_size=1)) * FP32_BYTES
-    else:
-        build = config.model.num_params() * FP32_BYTES
-    device_bytes = host_bytes = 0.0
-    for pipeline_rank in range(run.pipeline_size):
-        state = training_state_bytes_per_rank(config.model, run, pipeline_rank)
-        transient = sharding_transient_bytes(config.model, run, pipeline_rank).total
-        if run.fsdp:
-            offloaded = state.total if dist.fsdp.cpu_offload else 0.0
-        else:
-            # ZeRO-Offload keeps the fp32 master, m, v and (stage >= 2) the fp32 gradient partitions in host memory.
-            partitions = state.master + state.optimizer + (state.gradients if dist.zero_stage >= 2 else 0.0)
-            offloaded = partitions if dist.offload_optimizer else 0.0
-            offloaded += state.weights if dist.offload_params else 0.0
-        if not has_gpu:
-            host_bytes = max(host_bytes, state.total + transient)
-        else:
-            device_bytes = max(device_bytes, state.total - offloaded + transient)
-            host_bytes = max(host_bytes, offloaded)
-    return Demand(device_bytes=device_bytes, host_bytes=host_bytes, build_host_bytes=build)
+        return max(fsdp_unit_params(config.model, ep_size=1)) * FP32_BYTES
+    return config.model.num_params() * FP32_BYTES
 
 
-def check_training_state_fits(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> None:
-    """Raise a one-sentence ConfigError when the training state, or building the model, cannot fit this machine;
-    it names the layout that fits on the fewest GPUs (or machines), ZeRO-3 or FSDP2 (with EP for a MoE model)."""
+def memory_demand(config: TrainConfig, world_size: int, has_gpu: bool) -> Demand:
+    """Per-rank bytes by place, from the planner's peak of the worst rank: on a GPU what offload leaves there, and
+    what it moves to host memory; on CPU all of it in host memory."""
+    peak = rank_memory(config, world_size, on_gpu=has_gpu)
+    build = build_host_bytes(config, world_size)
+    if not has_gpu:
+        return Demand(device_bytes=0.0, host_bytes=peak.total + peak.offloaded, build_host_bytes=build)
+    return Demand(device_bytes=peak.total, host_bytes=peak.offloaded, build_host_bytes=build)
+
+
+def check_memory_fits(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> None:
+    """Raise a one-sentence ConfigError when the run's peak per rank, or building the model, cannot fit this
+    machine; it names the layout moe-plan would run instead (`_remedy`)."""
     if not config.distributed.check_memory:
         return
     has_gpu = memory.gpu is not None
-    demand = training_state_demand(config, world_size, has_gpu)
+    demand = memory_demand(config, world_size, has_gpu)
     model = f"this model ({config.model.num_params() / 1e9:.2f} B parameters, {config.trainer.precision})"
-    layout = f"{_layout(config, world_size)}; activations not counted"
-    override = "or set distributed.check_memory=false if you know better"
-    if has_gpu and demand.device_bytes > memory.device_bytes:
-        remedies = _shard_remedy(config, local_ranks, memory)
-        dist = config.distributed
-        if dist.strategy == "fsdp" and not dist.fsdp.cpu_offload:
-            remedies.append("offload its shards to host memory with distributed.fsdp.cpu_offload=true")
-        elif dist.strategy != "fsdp" and not dist.offload_params:
-            remedies.append("offload it to host memory with distributed=zero3_offload")
+    layout = _layout(config, world_size)
+    device_limit = memory.device_bytes * (1 - DEFAULT_HEADROOM.fragmentation)  # free memory: CUDA's already taken
+    if has_gpu and demand.device_bytes > device_limit:
+        remedies = _remedy(config, world_size, local_ranks, memory)
         raise ConfigError(
-            f"{model} needs {_gb(demand.device_bytes)} of training state per GPU ({layout}) but the {memory.gpu} has "
-            f"{_gb(memory.device_bytes)} free: {', '.join([*remedies, SMALLER_PRESET])}, {override}"
+            f"{model} needs {_gb(demand.device_bytes)} per GPU at its peak ({layout}) but the {memory.gpu} has "
+            f"{_gb(memory.device_bytes)} free: {', '.join([*remedies, SMALLER_PRESET])}, {OVERRIDE}"
         )
     host_per_rank = max(demand.host_bytes, demand.build_host_bytes)
     if host_per_rank * local_ranks > memory.host_bytes:
-        what = "training state" if demand.host_bytes >= demand.build_host_bytes else "fp32 weights while it is built"
+        what = "peak" if demand.host_bytes >= demand.build_host_bytes else "fp32 weights while it is built"
+        if has_gpu and what == "peak":
+            what = "offloaded state"
         on_ranks = f" on each of the {local_ranks} ranks of this node" if local_ranks > 1 else ""
-        remedies = _shard_remedy(config, local_ranks, memory)
-        if not remedies and local_ranks > 1:
-            remedies.append("start fewer ranks per node (every rank builds at least one whole block in fp32)")
+        remedies = _remedy(config, world_size, local_ranks, memory)
         raise ConfigError(
             f"{model} needs {_gb(host_per_rank)} of host memory for its {what}{on_ranks} ({layout}) but this machine "
-            f"has {_gb(memory.host_bytes)} available: {', '.join([*remedies, SMALLER_PRESET])}, {override}"
+            f"has {_gb(memory.host_bytes)} available: {', '.join([*remedies, SMALLER_PRESET])}, {OVERRIDE}"
         )
 
 
-SMALLER_PRESET = "pick a smaller preset such as model=moe_small"
+def this_node_cluster(world_size: int, local_ranks: int, memory: Memory) -> Cluster:
+    """The job as a cluster: nodes of `local_ranks` ranks. A GPU the catalog knows keeps its figures, with this
+    rank's free memory; on CPU each rank gets its share of the host (NOMINAL_CPU's speeds: moe-plan ranks with
+    them, its --calibrate measures this machine)."""
+    nodes = max(1, world_size // max(local_ranks, 1))
+    if memory.gpu is None:
+        card = dataclasses.replace(NOMINAL_CPU, memory_bytes=memory.host_bytes / max(local_ranks, 1))
+        return Cluster(nodes, local_ranks, card, NOMINAL_CPU.nvlink_bandwidth, NOMINAL_CPU.nvlink_bandwidth)
+    known = gpu_of_device(memory.gpu)
+    base = known if known is not None else dataclasses.replace(NOMINAL_GPU, name=memory.gpu)
+    card = dataclasses.replace(base, memory_bytes=memory.device_bytes)
+    return Cluster(nodes, local_ranks, card, card.nvlink_bandwidth, 50 * GIGA)
 
 
-def _shard_remedy(config: TrainConfig, local_ranks: int, memory: Memory) -> list[str]:
-    """["shard it with <layout> over at least N GPUs"] for the sharded layout that fits this machine's GPU and host
-    memory (`local_ranks` ranks per node) on the fewest ranks, or [] when none does. Without a GPU the ranks are
-    machines like this one, one rank each."""
-    has_gpu = memory.gpu is not None
-    fits = {}
-    for overrides, candidate in _sharded_layouts(config):
-        ranks = _fewest_ranks(candidate, local_ranks if has_gpu else 1, memory)
-        if ranks is not None:
-            fits.setdefault(ranks, overrides)  # a tie goes to the earlier layout: ZeRO-3, then fewer EP ranks
-    if not fits:
-        return []
-    ranks = min(fits)
-    unit = (
-        ("GPU" if has_gpu else "machine like this one")
-        if ranks == 1
-        else ("GPUs" if has_gpu else "machines like this one")
-    )
-    return [f"shard it with {fits[ranks]} over at least {ranks} {unit}"]
+# A GPU the catalog does not know is ranked with an H100's speeds (only the order of layouts depends on them).
+NOMINAL_GPU = gpu_of_device("NVIDIA H100 80GB HBM3")
 
 
-def _sharded_layouts(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
-    """ZeRO-3 (no EP: DeepSpeed 0.19 refuses it) and FSDP2 at every EP size that divides the experts, with the
-    offload the run asked for."""
-    dist = config.distributed
-    offload_optimizer = dist.offload_optimizer or dist.fsdp.cpu_offload
-    offload_params = dist.offload_params or dist.fsdp.cpu_offload
-    zero3 = DistributedConfig(
-        strategy="deepspeed", zero_stage=3, offload_optimizer=offload_optimizer, offload_params=offload_params
-    )
-    layouts = [("distributed=zero3", zero3)]
-    num_experts = config.model.moe.num_experts if config.model.moe is not None else 1
-    for ep in (ep for ep in range(1, num_experts + 1) if num_experts % ep == 0):
-        fsdp = DistributedConfig(strategy="fsdp", expert_parallel_size=ep, fsdp=FSDPConfig(cpu_offload=offload_params))
-        layouts.append((f"distributed=fsdp{f' distributed.expert_parallel_size={ep}' if ep > 1 else ''}", fsdp))
-    candidates = []
-    for overrides, distributed in layouts:
-        try:  # ZeRO-3 refuses trainer.compile; memory does not depend on it
-            trainer = dataclasses.replace(config.trainer, compile=False)
-            candidates.append((overrides, dataclasses.replace(config, distributed=distributed, trainer=trainer)))
-        except ConfigError:  # a layout this config cannot take (an EP size its routing refuses)
-            continue
-    return candidates
+def fitting_plans(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> list[Plan]:
+    """moe-plan's layouts that fit this job's ranks (nodes of `local_ranks` like this one), fastest first, with the
+    host memory their build needs on every rank of a node."""
+    cluster = this_node_cluster(world_size, local_ranks, memory)
+    headroom = Headroom(reserved_bytes=0.0)  # free memory is measured after CUDA took its own
+    host_limit = memory.host_bytes / max(local_ranks, 1)
+    planning = plan_layouts(config, cluster, headroom=headroom, on_gpu=memory.gpu is not None)
+    return [plan for plan in planning.fitting if build_host_bytes(plan.config, world_size) <= host_limit]
 
 
-def _fewest_ranks(config: TrainConfig, local_ranks: int, memory: Memory) -> int | None:
-    """The fewest ranks, a multiple of the EP size, at which `config` fits `memory`. Per-rank bytes are a/N + b in
-    the rank count N (shards, plus what FSDP gathers, which does not shrink), fitted from N = EP and 2·EP, and the
-    fit's answer is then checked against `_fits` itself; None when no N fits (b, or the build, too large)."""
-    has_gpu = memory.gpu is not None
-    ep = config.distributed.expert_parallel_size
-    one, two = (training_state_demand(config, n, has_gpu) for n in (ep, 2 * ep))
-    if one.build_host_bytes * local_ranks > memory.host_bytes:
+def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> list[str]:
+    """["run <overrides> instead (…)"]: moe-plan's fastest layout that fits these ranks; or, when none does, the
+    fewest nodes like this one (doubling) on which one does; [] when none does on 4096."""
+    ranks = f"{world_size} {'GPU' if memory.gpu is not None else 'rank'}{'s' if world_size > 1 else ''}"
+    fitting = fitting_plans(config, world_size, local_ranks, memory)
+    if fitting:
+        best = fitting[0]
+        return [f"run {' '.join(best.layout.overrides())} instead (moe-plan's fastest layout that fits these {ranks}, "
+                f"{_gb(best.memory.total)} per rank)"]  # fmt: skip
+    nodes = max(1, world_size // max(local_ranks, 1))
+    while nodes < MAX_NODES:
+        nodes *= 2
+        fitting = fitting_plans(config, nodes * local_ranks, local_ranks, memory)
+        if fitting:
+            overrides = " ".join(fitting[0].layout.overrides())
+            return [f"no layout fits these {ranks}: launch {nodes} nodes like this one with {overrides}"]
+    return []
+
+
+MAX_NODES = 4096
+
+
+def plan_refusal(config: TrainConfig, cluster: Cluster) -> str | None:
+    """moe-submit's check for a cluster of catalog GPUs: None when the config's own layout fits the planner's usable
+    memory, else the sentence saying so with the layout that fits (or the fewest nodes)."""
+    if not config.distributed.check_memory:
         return None
-    limits = [("host_bytes", memory.host_bytes / local_ranks)] + (
-        [("device_bytes", memory.device_bytes)] if has_gpu else []
+    peak = rank_memory(config, cluster.world_size).total
+    usable = DEFAULT_HEADROOM.usable(cluster.gpu.memory_bytes)
+    if peak <= usable:
+        return None
+    model = f"this model ({config.model.num_params() / 1e9:.2f} B parameters, {config.trainer.precision})"
+    planning = plan_layouts(config, cluster)
+    gpus = f"{cluster.world_size} {cluster.gpu.name}"
+    if planning.best is not None:
+        best = planning.best
+        remedy = f"run {' '.join(best.layout.overrides())} instead (moe-plan's fastest layout that fits, " \
+                 f"{_gb(best.memory.total)} per GPU)"  # fmt: skip
+    else:
+        found = smallest_fitting_nodes(config, cluster)
+        remedy = (
+            "no layout fits even 4096 nodes"
+            if found is None
+            else f"no layout fits {gpus}: ask for --nodes={found[0]} with {' '.join(found[1].layout.overrides())}"
+        )
+    return (
+        f"{model} needs {_gb(peak)} per GPU at its peak ({_layout(config, cluster.world_size)}) but a "
+        f"{cluster.gpu.name} has {_gb(usable)} usable: {remedy}, {OVERRIDE}"
     )
-    ranks = ep
-    for place, limit in limits:
-        b = 2 * getattr(two, place) - getattr(one, place)
-        a = (getattr(one, place) - b) * ep
-        if b >= limit:
-            return None
-        ranks = max(ranks, math.ceil(a / (limit - b) / ep) * ep)
-    while ranks > ep and _fits(config, ranks - ep, local_ranks, memory):  # the fit's rounding, either way
-        ranks -= ep
-    while not _fits(config, ranks, local_ranks, memory):
-        ranks += ep
-    return ranks
-
-
-def _fits(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> bool:
-    """The two checks `check_training_state_fits` makes: the GPU's share, and the host's for every rank of a node."""
-    demand = training_state_demand(config, world_size, memory.gpu is not None)
-    on_device = memory.gpu is None or demand.device_bytes <= memory.device_bytes
-    return on_device and max(demand.host_bytes, demand.build_host_bytes) * local_ranks <= memory.host_bytes
 
 
 def _layout(config: TrainConfig, world_size: int) -> str:

@@ -12,7 +12,10 @@
    package's slurm/launch.sh and this environment's bin/ fixed in it (re-runnable with plain `sbatch`), and
    `config.yaml`, the resolved config. The job's log goes to RUN_DIR/slurm-<job id>.out, appended across requeues.
 3. `sbatch` submits it; the job id and the run directory are printed.
-`--dry-run` stops after step 2. The machine's memory check is left to the job: the submit host is not a compute node.
+`--dry-run` stops after step 2. With `--gpu NAME` (a moe-plan catalog name; or a type it knows in
+`--gpus-per-node=TYPE:N`) step 1 also checks that the run's peak per GPU fits, with moe-plan's model
+(launch/memory.py `plan_refusal`), and a refusal names the layout that fits; without it the memory check is left to
+the job's start-up (the submit host is not a compute node).
 """
 
 import argparse
@@ -27,6 +30,8 @@ from pathlib import Path
 from moe_platform.config import ConfigError, to_train_config, validate_launch
 from moe_platform.launch.cli import BAD_INPUT
 from moe_platform.launch.compose import compose_train, composition_error, plain_run, user_config_dir
+from moe_platform.launch.memory import plan_refusal
+from moe_platform.plan.hardware import cluster_of, gpu_named
 from moe_platform.redact import redacted_yaml
 
 # The job template and the per-node launcher as this install ships them (pyproject.toml): the checkout's slurm/
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     options, overrides = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(prog="moe-submit", description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="render the run directory, do not submit")
+    parser.add_argument("--gpu", help="the job's GPU (moe-plan's catalog: H100, H200, A100-80GB, …): check it fits")
     args, options = parser.parse_known_args(options)
 
     template = TEMPLATE.read_text()
@@ -120,7 +126,13 @@ def main(argv: list[str] | None = None) -> None:
         if run.config_dir is not None:
             config_dir = user_config_dir(run.config_dir)  # absolute: the job may start elsewhere
         cfg = compose_train(overrides, config_dir)
-        validate_launch(to_train_config(cfg), nodes * per_node, has_gpu=gpus_per_node > 0)
+        config = to_train_config(cfg)
+        validate_launch(config, nodes * per_node, has_gpu=gpus_per_node > 0)
+        gpu = args.gpu or _gres_type(all_options)
+        if gpu is not None and gpus_per_node > 0:
+            refusal = plan_refusal(config, cluster_of(nodes, gpus_per_node, gpu))
+            if refusal is not None:
+                raise ConfigError(refusal)
     except Exception as err:
         sentence = str(err) if isinstance(err, tuple(BAD_INPUT)) else composition_error(err, overrides, config_dir)
         if sentence is None:
@@ -145,6 +157,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"sbatch refused the job: {result.stderr.strip()}")
     job_id = result.stdout.strip().split(";")[0]
     print(f"submitted job {job_id}; run dir {run_dir}; log {run_dir / f'slurm-{job_id}.out'}")
+
+
+def _gres_type(options: list[str]) -> str | None:
+    """The GPU type of `--gpus-per-node=TYPE:N` if moe-plan's catalog knows it (a site's gres names may differ)."""
+    value = sbatch_option(options, "--gpus-per-node")
+    if value is None or ":" not in value:
+        return None
+    kind = value.rsplit(":", 1)[0]
+    try:
+        gpu_named(kind)
+    except ValueError:
+        return None
+    return kind
 
 
 def _override(overrides: list[str], key: str) -> str | None:

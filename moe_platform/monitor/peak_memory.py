@@ -18,13 +18,27 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from moe.config import ModelConfig
-from moe.ledger import RunShape, activation_bytes_per_rank, sharding_transient_bytes, training_state_bytes_per_rank
+from moe.config import ModelConfig, memoized_by_config
+from moe.ledger import (
+    FP32_BYTES,
+    PARAM_DTYPE_BYTES,
+    RunShape,
+    activation_bytes_per_rank,
+    expert_received_bytes,
+    held_params_by_rank,
+    sharding_transient_bytes,
+    training_state_bytes_per_rank,
+)
+from moe.model import Transformer
+
+if TYPE_CHECKING:  # moe_platform.config brings omegaconf and data_pipeline, which a bare GPU image lacks
+    from moe_platform.config import TrainConfig
 
 
 @dataclass
@@ -142,6 +156,126 @@ def predict_peak(config: ModelConfig, run: RunShape, pipeline_rank: int | None =
     return max((of_rank(p) for p in range(run.pipeline_size)), key=lambda prediction: prediction.total)
 
 
+# ---- communication buffers and offload: what the ledger's tables leave out -------------------------------------
+#
+# torch 2.13 DDP as Accelerate builds it (DistributedDataParallelKwargs: bucket_cap_mb=25, gradient_as_bucket_view=
+# False, torch's defaults; we pass none): the reducer copies every gradient it reduces into flat buckets of its own,
+# allocated beside `.grad` and kept for the run, so they hold as many bytes as those gradients (the 25 MiB cap only
+# says how they are split).
+DDP_GRADIENT_AS_BUCKET_VIEW = False
+# DeepSpeed 0.19.8's ZeRO defaults (deepspeed/runtime/zero/config.py). parallel/accelerator.py's deepspeed_config sets
+# no bucket sizes, and Accelerate fills them only where a config says "auto", so these hold for our runs:
+#   * reduce_bucket_size: ZeRO-1/2 (setup_buckets, at every step's first backward) and ZeRO-3 (at start-up) allocate
+#     a contiguous-gradient (IPG) buffer of this many elements whatever the model's size, in the grad-accumulation
+#     dtype, which is the weights' (4 B fp32, 2 B bf16); ZeRO-1/2 allocate a second one under overlap_comm, which
+#     deepspeed_config turns on with GPUs only;
+#   * stage3_param_persistence_threshold: ZeRO-3 keeps every parameter of at most this many elements whole on every
+#     rank (a norm, a router, a small expert matrix), beside its partition.
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+ZERO3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's peak bytes by part (the device's on a GPU; on CPU all in host memory)."""
+
+    weights: float
+    gradients: float
+    optimizer: float  # AdamW m, v + DeepSpeed's fp32 master partition
+    activations: float  # ledger's activations at the peak (pipeline: every micro-batch in flight)
+    gathered: float  # FSDP2 / ZeRO-3 gathered units, unsharded grads, reduce-scatter input
+    buffers: float  # communication buffers: DDP's gradient buckets, DeepSpeed's IPG buckets, flat all-reduce inputs
+    offloaded: float = 0.0  # bytes ZeRO-Offload / FSDP cpu_offload moves to host memory (NOT in total)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered + self.buffers
+
+
+@memoized_by_config
+def _zero3_persistent_params(model: ModelConfig) -> int:
+    """Parameters ZeRO-3 never partitions: those of at most ZERO3_PARAM_PERSISTENCE_THRESHOLD elements, counted on
+    the real module (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        module = Transformer(model)
+    return sum(p.numel() for p in module.parameters() if p.numel() <= ZERO3_PARAM_PERSISTENCE_THRESHOLD)
+
+
+def _buffers(config: TrainConfig, run: RunShape, pipeline_rank: int | None, on_gpu: bool) -> tuple[float, float]:
+    """(held for the run, transient at the gradient reduction) communication bytes of one rank.
+
+    DDP: its buckets, the gradients of what it reduces (all but the routed experts under EP) × 4 B (fp32 weights in
+    either precision). Our own reductions (parallel/expert_parallel.py `sum_and_divide`: the experts' under EP, and
+    under PP every gradient of a stage) concatenate the gradients into one flat fp32 buffer after backward: the
+    larger of the replicated (PP) and the expert block's. DeepSpeed: its IPG buffer(s), above."""
+    dist = config.distributed
+    dense, routed = held_params_by_rank(config.model, run)[pipeline_rank or 0]
+    experts = routed // run.ep_size
+    if dist.strategy == "deepspeed":
+        p = PARAM_DTYPE_BYTES[run.precision]
+        copies = 2 if run.zero_stage in (1, 2) and on_gpu else 1  # overlap_comm's second buffer
+        return (DEEPSPEED_REDUCE_BUCKET_ELEMENTS * p * copies if run.zero_stage else 0.0), 0.0
+    if dist.strategy != "ddp" or run.dp_size * run.pipeline_size == 1:
+        return 0.0, 0.0  # FSDP's reduce-scatter input is the ledger's; one process has nothing to reduce
+    if run.pipeline_size > 1:  # no torch DDP: sync_gradients flattens the replicated, then the experts' gradients
+        replicated = dense + (0 if run.ep_size > 1 else routed)
+        return 0.0, max(replicated, experts if run.ep_size > 1 else 0) * FP32_BYTES
+    reduced_by_ddp = dense + (0 if run.ep_size > 1 else routed)
+    held = 0.0 if DDP_GRADIENT_AS_BUCKET_VIEW else reduced_by_ddp * FP32_BYTES
+    return held, (experts * FP32_BYTES if run.ep_size > 1 else 0.0)
+
+
+def rank_peak(
+    config: TrainConfig, world_size: int, pipeline_rank: int | None = None, *, imbalance: float = 1.0,
+    on_gpu: bool = True,
+) -> RankMemory:  # fmt: skip
+    """One rank's peak by part (under PP pipeline rank `pipeline_rank`'s, which must be given): the ledger's training
+    state, sharding transients and activations, plus what the ledger leaves out, communication buffers and ZeRO-3's
+    persistent parameters, with offload's share moved out of the total.
+
+    The peak is where backward starts (every activation and the logits' gradients live) or where the gradients are
+    reduced after it (activations freed, the reduction's flat buffer live), whichever is higher, so a transient
+    buffer counts only beyond the activations: peak = state + gathered + held buffers + max(activations, transient).
+    `imbalance` f >= 1 (the most-loaded EP rank's received assignments over the mean) adds (f - 1) × the activations
+    that grow with them (`moe.ledger.expert_received_bytes`)."""
+    if imbalance < 1:
+        raise ValueError(f"imbalance={imbalance} is the most-loaded rank's load over the mean, at least 1")
+    run = config.run_shape(world_size)
+    if run.pipeline_size > 1 and pipeline_rank is None:
+        raise ValueError("under pipeline parallelism say which pipeline rank (plan.memory.rank_memory takes the worst)")
+    model, dist = config.model, config.distributed
+    state = training_state_bytes_per_rank(model, run, pipeline_rank)
+    activations = activation_bytes_per_rank(model, run, pipeline_rank)
+    if run.ep_size > 1:
+        activations += (imbalance - 1) * expert_received_bytes(model, run, pipeline_rank)
+    gathered = sharding_transient_bytes(model, run, pipeline_rank).total
+    if run.zero_stage == 3:
+        gathered += _zero3_persistent_params(model) * PARAM_DTYPE_BYTES[run.precision]
+    held, transient = _buffers(config, run, pipeline_rank, on_gpu)
+    weights, gradients, optimizer = state.weights, state.gradients, state.master + state.optimizer
+    offloaded = 0.0
+    if dist.strategy == "fsdp" and dist.fsdp.cpu_offload:  # FSDP2's CPUOffloadPolicy: every shard on the host
+        offloaded, weights, gradients, optimizer = weights + gradients + optimizer, 0.0, 0.0, 0.0
+    if dist.strategy == "deepspeed" and dist.offload_optimizer:  # fp32 master, m, v (and ZeRO-2/3's grad partition)
+        moved_gradients = gradients if run.zero_stage >= 2 else 0.0
+        offloaded, optimizer, gradients = optimizer + moved_gradients, 0.0, gradients - moved_gradients
+    if dist.strategy == "deepspeed" and dist.offload_params:  # ZeRO-3's weight partitions
+        offloaded, weights = offloaded + weights, 0.0
+    buffers = held + max(0.0, transient - activations)
+    return RankMemory(weights, gradients, optimizer, activations, gathered, buffers, offloaded)
+
+
+def predicted_peak_per_rank(config: TrainConfig, world_size: int, *, on_gpu: bool) -> list[float]:
+    """`rank_peak` of each of `world_size` ranks (rank r runs pipeline rank r // (W/PP)), uniform routing, in the
+    memory the step's measurement sees: the device's on a GPU (the total), everything on CPU (offload included)."""
+    run = config.run_shape(world_size)
+    peaks = []
+    for rank in range(world_size):
+        memory = rank_peak(config, world_size, rank // run.dp_size if run.pipeline_size > 1 else None, on_gpu=on_gpu)
+        peaks.append(memory.total if on_gpu else memory.total + memory.offloaded)
+    return peaks
+
+
 class PeakMemoryProbe:
     """Measures the second training step a process runs (the first with optimizer state), once per run."""
 
@@ -152,6 +286,7 @@ class PeakMemoryProbe:
         self.enabled = enabled
         self.calls = 0
         self.result: PeakMemory | None = None
+        self.recorded = False
 
     @contextlib.contextmanager
     def around_step(self, window=None) -> Iterator[None]:
@@ -164,6 +299,16 @@ class PeakMemoryProbe:
         untimed = window.untimed() if window is not None and self.device.type == "cpu" else contextlib.nullcontext()
         with untimed, measure_peak(self.device) as self.result:
             yield
+
+    def record(self, accelerator, predicted_per_rank: Sequence[float]) -> dict[str, list[float]]:
+        """Collective, in the first log after the measured step (every rank measures the same step): each rank's
+        measured peak (a list over ranks, one gather) beside the prediction for each rank; {} before and after."""
+        if self.result is None or self.recorded:
+            return {}
+        self.recorded = True
+        local = torch.tensor([self.result.peak_bytes], dtype=torch.float64, device=accelerator.device)
+        measured = accelerator.gather(local).tolist()
+        return {"memory/peak_bytes_per_rank": measured, "plan/peak_bytes_per_rank": list(predicted_per_rank)}
 
     def describe(self, prediction: PeakPrediction) -> str:
         """One line: measured beside predicted, or why nothing was measured."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moe_platform.config import ConfigError
 from moe_platform.monitor.throughput import GPU_PEAK_TFLOPS
 
 TERA, GIGA = 1e12, 1e9
@@ -62,6 +63,9 @@ GPUS: dict[str, Gpu] = {
         _gpu("L40S", "NVIDIA L40S", 48, 733, 0.864, 32),  # PCIe Gen4 x16, no NVLink
     )
 }
+# A CPU "GPU" for ranking layouts on a machine moe-plan has not calibrated: one rank's order of speed (a few cores'
+# fp32 matmuls, DRAM, gloo over loopback). Only the order of layouts depends on it; `moe-plan --calibrate` measures.
+NOMINAL_CPU = Gpu("CPU (nominal)", 16 * GIB, {"fp32": 1e11, "bf16": 1e11}, 2e10, 2e9, "")
 ALIASES = {"H100": "H100-SXM", "A100": "A100-80GB", "H200-SXM": "H200", "H800-SXM": "H800"}
 # A node's GPUs reach other nodes through their own NIC: 400 Gb/s InfiniBand NDR (or RoCE) per GPU on current
 # H100/H200/B200 clusters, 200 Gb/s HDR on A100 ones; one way, in bytes/s.
@@ -85,7 +89,7 @@ def gpu_named(name: str) -> Gpu:
         if key(gpu_name) == wanted:
             return gpu
     known = ", ".join([*GPUS, *ALIASES])
-    raise ValueError(f"--gpu {name} is not in the catalog ({known}): pick one, or give --gpu-memory and --peak-tflops")
+    raise ConfigError(f"--gpu {name} is not in the catalog ({known}): pick one, or give --gpu-memory and --peak-tflops")
 
 
 @dataclass(frozen=True)

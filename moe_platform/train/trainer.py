@@ -52,7 +52,7 @@ from moe_platform.config import TrainConfig
 from moe_platform.monitor.alerts import RoutingAlerts
 from moe_platform.monitor.footprint import Footprint
 from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
-from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak
+from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak, predicted_peak_per_rank
 from moe_platform.monitor.progress import Progress
 from moe_platform.monitor.throughput import Throughput
 from moe_platform.parallel import deepspeed_experts, expert_parallel, fsdp
@@ -218,6 +218,8 @@ class Trainer:
         )
         # One step's peak, printed beside the ledger's at the end (logging.peak_memory=false: none measured).
         self.peak_memory = PeakMemoryProbe(accelerator.device, enabled=config.logging.peak_memory)
+        on_gpu = accelerator.device.type == "cuda"
+        self.predicted_peaks = predicted_peak_per_rank(config, accelerator.num_processes, on_gpu=on_gpu)
 
     def _sharding(self):
         """What build_model applies to the structure on the meta device: the pipeline split, FSDP2, or nothing."""
@@ -488,6 +490,7 @@ class Trainer:
         record.update(reduce_moe_stats(self.accelerator, stats))
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self.footprint.record())  # what each rank holds, beside the ledger
+        record.update(self.peak_memory.record(self.accelerator, self.predicted_peaks))  # once: the measured step's
         self.sinks.write(record)
         for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
             self.sinks.write(alert)
