@@ -157,6 +157,11 @@ def step_time(
         raise ValueError(f"imbalance={imbalance} is below 1: it is the busiest EP rank's load over the mean")
     W = cluster.world_size
     run = config.run_shape(W)
+    if run.grad_accum < 1:
+        raise ValueError(
+            f"data.global_batch_size={config.data.global_batch_size} gives fewer rows than trainer.micro_batch_size × "
+            f"{run.dp_size} data-parallel ranks: validate the config for {W} ranks before timing it"
+        )
     model = config.model
     dtype = assumptions.matmul_dtype or run.precision
     peak = cluster.gpu.peak(dtype)
