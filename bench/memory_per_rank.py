@@ -14,16 +14,11 @@ run per layout is enough: there is no spread to report.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before bench/ itself, whose data_pipeline.py would shadow the package
-BIN = Path(sys.executable).parent
 RANKS = 4
 LAYOUTS = {
     "ddp": ["distributed=ddp"],
@@ -42,21 +37,14 @@ FIGURES = ("param_bytes", "master_bytes", "grad_bytes", "optimizer_state_bytes")
 
 
 def first_record(layout: list[str], extra: list[str]) -> dict:
-    from moe_platform.parallel.accelerator import free_port
+    from moe_platform.testing import launched_records
 
-    with tempfile.TemporaryDirectory(prefix="bench_memory_") as run_dir:
-        command = [
-            str(BIN / "torchrun"), f"--nproc_per_node={RANKS}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *layout,
-            "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0", "trainer.save_final=false",
-            "logging.progress_bar=false", "logging.peak_memory=false", "data.global_batch_size=16",
-            "trainer.micro_batch_size=2", "data.seq_len=64", *extra, f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(layout)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-        return json.loads((Path(run_dir) / "metrics.jsonl").read_text().splitlines()[0])
+    run = [
+        *layout, "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=0", "trainer.save_final=false",
+        "logging.progress_bar=false", "logging.peak_memory=false", "data.global_batch_size=16",
+        "trainer.micro_batch_size=2", "data.seq_len=64", *extra,
+    ]  # fmt: skip
+    return launched_records(RANKS, run, prefix="bench_memory_")[0]
 
 
 def main() -> None:

@@ -16,16 +16,11 @@ routing, and with it EP's received tokens, is seeded).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before bench/ itself, whose data_pipeline.py would shadow the package
-BIN = Path(sys.executable).parent
 EP2 = "distributed.expert_parallel_size=2"
 PP2 = "distributed.pipeline_parallel_size=2"
 SCHEDULE = "distributed.pipeline.schedule"
@@ -74,20 +69,10 @@ RUN = [
 
 def measured_record(ranks: int, layout: list[str], extra: list[str]) -> dict:
     """The metrics record that carries the measured peaks (the measured step's, step 2)."""
-    from moe_platform.parallel.accelerator import free_port
+    from moe_platform.testing import launched_records
 
-    with tempfile.TemporaryDirectory(prefix="bench_plan_memory_") as run_dir:
-        command = [
-            str(BIN / "torchrun"), f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *RUN, *layout, *extra,
-            f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(layout)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        return next(record for record in records if "memory/peak_bytes_per_rank" in record)
+    records = launched_records(ranks, [*RUN, *layout, *extra], prefix="bench_plan_memory_")
+    return next(record for record in records if "memory/peak_bytes_per_rank" in record)
 
 
 def compare(record: dict) -> tuple[int, float, float, float]:

@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # before bench/ itself, whose data_pipeline.py would shadow the package
-BIN = Path(sys.executable).parent
 
 MODEL = [
     "model=moe_tiny", "model.d_model=512", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=1024",
@@ -92,19 +88,10 @@ def overrides_of(layout: str, model: list[str], extra: list[str]) -> tuple[int, 
 
 def measure_run(ranks: int, overrides: list[str], steps: int, log_every: int, skip: int) -> float:
     """One moe-train run: the median over its logged windows (after the first `skip`) of seconds per step."""
-    from moe_platform.parallel.accelerator import free_port
+    from moe_platform.testing import launched_records
 
-    with tempfile.TemporaryDirectory(prefix="bench_plan_time_") as run_dir:
-        command = [
-            str(BIN / "torchrun"), f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "--no-python", str(BIN / "moe-train"), *overrides,
-            f"trainer.max_steps={steps}", f"trainer.log_every={log_every}", f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)}
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(overrides)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    run = [*overrides, f"trainer.max_steps={steps}", f"trainer.log_every={log_every}"]
+    records = launched_records(ranks, run, prefix="bench_plan_time_")
     windows = [r for r in records if "tokens_per_s" in r][skip:]
     if not windows:
         raise RuntimeError(f"{len(records)} records, none after the first {skip} windows: raise --steps")

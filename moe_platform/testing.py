@@ -19,10 +19,11 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,18 @@ def _launch_command(launcher: str | None, nproc: int, args: list[str]) -> list[s
         "--mixed_precision=no", "--dynamo_backend=no", "--main_process_ip=127.0.0.1",
         f"--main_process_port={free_port()}", "-m", "moe_platform.launch.cli", *args,
     ]  # fmt: skip
+
+
+def launched_records(nproc: int, overrides: Sequence[str], *, prefix: str = "launched_") -> list[dict]:
+    """The metrics.jsonl records of one `moe-train` launched by torchrun on `nproc` ranks (127.0.0.1) with exactly
+    `overrides` (none of the tests' FAST defaults: the benches time and measure what they name), in a temporary
+    run directory; RuntimeError with the output's tails when it fails."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as run_dir:
+        command = _launch_command("torchrun", nproc, [*overrides, f"hydra.run.dir={run_dir}"])
+        result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env())
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(overrides)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
