@@ -25,7 +25,14 @@ import torch
 from moe.ledger import fsdp_unit_params
 from moe_platform.config import ConfigError, TrainConfig
 from moe_platform.plan.hardware import GIGA, NOMINAL_CPU, Cluster, gpu_of_device
-from moe_platform.plan.layouts import DEFAULT_HEADROOM, Headroom, Plan, plan_layouts, smallest_fitting_nodes
+from moe_platform.plan.layouts import (
+    DEFAULT_HEADROOM,
+    MAX_NODES,
+    Headroom,
+    Plan,
+    plan_layouts,
+    smallest_fitting_nodes,
+)
 from moe_platform.plan.memory import rank_memory
 
 FP32_BYTES = 4
@@ -149,24 +156,24 @@ def fitting_plans(config: TrainConfig, world_size: int, local_ranks: int, memory
 
 def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> list[str]:
     """["run <overrides> instead (…)"]: moe-plan's fastest layout that fits these ranks; or, when none does, the
-    fewest nodes like this one (doubling) on which one does; [] when none does on 4096."""
+    fewest nodes like this one (doubling) on which one does; [] when none does on MAX_NODES."""
     ranks = f"{world_size} {'GPU' if memory.gpu is not None else 'rank'}{'s' if world_size > 1 else ''}"
     fitting = fitting_plans(config, world_size, local_ranks, memory)
     if fitting:
         best = fitting[0]
         return [f"run {' '.join(best.layout.overrides())} instead (moe-plan's fastest layout that fits these {ranks}, "
                 f"{_gb(best.memory.total)} per rank)"]  # fmt: skip
-    nodes = max(1, world_size // max(local_ranks, 1))
-    while nodes < MAX_NODES:
-        nodes *= 2
-        fitting = fitting_plans(config, nodes * local_ranks, local_ranks, memory)
-        if fitting:
-            overrides = " ".join(fitting[0].layout.overrides())
-            return [f"no layout fits these {ranks}: launch {nodes} nodes like this one with {overrides}"]
-    return []
 
+    def best_on(cluster: Cluster) -> Plan | None:
+        return next(iter(fitting_plans(config, cluster.world_size, local_ranks, memory)), None)
 
-MAX_NODES = 4096
+    here = this_node_cluster(world_size, local_ranks, memory)
+    found = smallest_fitting_nodes(config, here.with_changes(nodes=here.nodes * 2), best_on=best_on)
+    if found is None:
+        return []
+    nodes, best = found
+    overrides = " ".join(best.layout.overrides())
+    return [f"no layout fits these {ranks}: launch {nodes} nodes like this one with {overrides}"]
 
 
 def plan_refusal(config: TrainConfig, cluster: Cluster) -> str | None:
@@ -188,7 +195,7 @@ def plan_refusal(config: TrainConfig, cluster: Cluster) -> str | None:
     else:
         found = smallest_fitting_nodes(config, cluster)
         remedy = (
-            "no layout fits even 4096 nodes"
+            f"no layout fits even {MAX_NODES} nodes"
             if found is None
             else f"no layout fits {gpus}: ask for --nodes={found[0]} with {' '.join(found[1].layout.overrides())}"
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from moe.checkpointing import MODES as CHECKPOINTING
@@ -252,6 +252,10 @@ def _plan_layouts(config, cluster, assumptions, headroom, imbalance, on_gpu) -> 
     return Planning(fitting, too_large, refused, unweighed)
 
 
+# The most nodes a refusal searches for (a 32K-GPU cluster at 8 per node).
+MAX_NODES = 4096
+
+
 def smallest_fitting_nodes(
     config: TrainConfig,
     cluster: Cluster,
@@ -259,14 +263,21 @@ def smallest_fitting_nodes(
     headroom: Headroom = DEFAULT_HEADROOM,
     *,
     imbalance: Imbalance | None = None,
-    max_nodes: int = 4096,
+    max_nodes: int = MAX_NODES,
+    best_on: Callable[[Cluster], Plan | None] | None = None,
 ) -> tuple[int, Plan] | None:
     """The fewest nodes among the cluster's count doubled k times (clusters are allocated, and global batches
-    divide, in powers of two) on which some layout fits, with its best plan; None when not even `max_nodes` do."""
+    divide, in powers of two) on which some layout fits, with its best plan; None when not even `max_nodes` do.
+    `best_on(cluster)` replaces the planner's own best plan when a caller has more to check (the start-up check:
+    host memory for the build)."""
+    if best_on is None:
+
+        def best_on(cluster_here: Cluster) -> Plan | None:
+            return plan_layouts(config, cluster_here, assumptions, headroom, imbalance=imbalance).best
+
     nodes = cluster.nodes
     while nodes <= max_nodes:
-        cluster_here = cluster.with_changes(nodes=nodes)
-        best = plan_layouts(config, cluster_here, assumptions, headroom, imbalance=imbalance).best
+        best = best_on(cluster.with_changes(nodes=nodes))
         if best is not None:
             return nodes, best
         nodes *= 2
