@@ -11,7 +11,8 @@ and the first `--skip` windows (start-up, the footprint record, allocator warm-u
 measured figure is the median of its windows; repeated `--repeats` times, the table gives the median of those
 [min–max]. Predicted: `step_time(config, this_machine_cluster(cal, W), this_machine_assumptions(cal))`, with the
 config composed exactly as moe-train composed it, and the calibration measured by the probe at the start
-(plan/calibrate.py; nothing in it is fitted to these runs). Goal (issue 24): measured / predicted within 25%.
+(plan/calibrate.py, with MODEL's blocks timed alone at its micro-batch on every core at once; nothing in it is
+fitted to these runs, no step or run is timed by it). Goal (issue 24): measured / predicted within 25%.
 
 The model (MODEL): moe_tiny widened to D 512, 4 layers of top-2 of 4 SwiGLU experts of width 1024, S 128, a
 global batch of 16 × 128 tokens: ~28 M parameters, ~0.2 TFLOP of matmuls a step, so one step takes ~0.5-1 s on
@@ -151,8 +152,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         model, layouts, args.repeats, args.steps, args.log_every, args.skip = SMOKE_MODEL, ["ddp2"], 1, 4, 1, 1
     if args.calibration:
         calibration = calibrate.load(args.calibration)
-    else:
-        calibration = calibrate.measure(repeats=1 if args.smoke else 5)
+    else:  # the probe, with the blocks of the model every layout runs (the layouts do not change a block)
+        blocks = _config(overrides_of(layouts[0], model, args.overrides)[1])
+        calibration = calibrate.measure(repeats=1 if args.smoke else 5, config=blocks)
     print(f"calibration: {json.dumps(asdict(calibration))}")
     rows = []
     for layout in layouts:

@@ -9,8 +9,9 @@
    (plan/memory.py) and step time (plan/time_model.py), and those that fit the GPU are ranked by step time.
 3. The best `--top` are printed: memory per rank by part, step time by term, tokens/s, MFU, and the `moe-submit`
    command that launches each. `--explain K` prints the K-th one's whole ledger; `--json` the table for scripts.
-`--calibrate` measures this machine instead (matmul rate, memory and gloo bandwidth: plan/calibrate.py) and writes
-the file `--this-machine` plans with (a CPU "cluster" of --gpus-per-node processes).
+`--calibrate [overrides]` measures this machine instead (matmul rate, memory and gloo bandwidth, and with overrides
+the rate of that model's own blocks: plan/calibrate.py) and writes the file `--this-machine` plans with (a CPU
+"cluster" of --gpus-per-node processes).
 """
 
 from __future__ import annotations
@@ -73,14 +74,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = parser().parse_known_args(argv)
     try:
-        if args.calibrate:
-            _calibrate(args)
-            return
         run = plain_run(rest)
         if run is None:
             raise ConfigError(
                 f"moe-plan does not know {' '.join(rest)}: give moe-plan's options (--help) and moe-train's overrides"
             )
+        if args.calibrate:
+            _calibrate(args, train_config(run.overrides, run.config_dir) if run.overrides else None)
+            return
         config = train_config(run.overrides, run.config_dir)
         cluster, assumptions = _cluster(args)
         headroom = Headroom(
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _calibrate(args: argparse.Namespace) -> None:
+def _calibrate(args: argparse.Namespace, config: TrainConfig | None) -> None:
+    """The probe; with overrides, also the blocks of the model they compose (the rate a CPU run of it meets)."""
     from moe_platform.plan import calibrate
 
-    calibration = calibrate.measure()
+    calibration = calibrate.measure(config=config)
     path = calibrate.save(calibration, args.calibration)
     print(f"wrote {path}:\n{json.dumps(asdict(calibration), indent=2)}")
 

@@ -6,11 +6,24 @@ on the operation it stands for, never on a training run:
     weight gradient) on shapes of a small training step, rows 256-4096, widths 256-2048;
   * memory bandwidth of one thread: a 256 MiB copy (bytes read + written per second);
   * gloo between two processes on 127.0.0.1, one thread each (torch.distributed, as moe-train's ranks): the bus
-    bandwidth of a 16 MiB all-reduce, all-to-all and send/recv, the latency of a one-float all-reduce, and how
+    bandwidth of a 16 MiB all-reduce, reduce-scatter, all-gather, all-to-all and send/recv (gloo's reduce-scatter
+    runs at ~0.4 of its all-reduce, which FSDP and ZeRO-2/3 pay for), the latency of a one-float all-reduce, and how
     much of an all-reduce hides behind matmuls running meanwhile (`dp_overlap`);
   * the fixed cost of one transformer block's forward and backward (Python, dispatch, autograd: what a block
-    costs besides its FLOPs), from two sizes of a tiny real model (moe.Transformer) of 1 and 3 blocks.
+    costs besides its FLOPs), from two sizes of a tiny real model (moe.Transformer) of 1 and 3 blocks;
+  * the passes torch's AdamW step makes over the training state (`optimizer_passes`: its seconds × the memory
+    bandwidth / the state's bytes; the foreach kernel reads and writes m, v, the weights and gradients several times);
+  * given the model to be planned (`moe-plan --calibrate [overrides]`), the FLOP/s one rank sustains running that
+    model's own blocks forward and backward at its micro-batch, with every core busy (`block_flops`: `cores`
+    processes at once, one thread each, as a full run's ranks): the rate a training step meets, its small expert
+    GEMMs, cold caches and the elementwise work between the matmuls included. On a CPU, GEMMs alone on hot
+    operands run ~1.4× faster, and the work between them is ~3× what the memory and per-block terms say, so a
+    plan timed from the GEMM probe alone is ~1.7× optimistic. The block is timed, never a step or a run.
 Each figure is the median of its repetitions. The file records the cores, torch version and date it was taken on.
+
+With `block_flops` the time model's compute term divides the rank's matmul FLOPs by it and its memory and
+per-block terms drop what the block already contains (`this_machine_assumptions`: activation_passes 0,
+per_layer_overhead_s 0); without it the GEMM rate and those terms stand.
 
 A rank of moe-train on CPU runs one thread (torchrun sets OMP_NUM_THREADS=1 when it starts more than one process,
 and our launches set it too), so W ranks on C cores each get min(1, C/W) of a core: `this_machine_cluster` scales
@@ -19,6 +32,7 @@ every rate by that share, links included (gloo over loopback is memcpy on the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -31,10 +45,11 @@ from pathlib import Path
 
 import torch
 
+from moe_platform.config import TrainConfig
 from moe_platform.plan.hardware import Cluster, Gpu
 from moe_platform.plan.time_model import Assumptions
 
-VERSION = 1  # of the file's fields; a file of another version is refused (rerun the probe)
+VERSION = 2  # of the file's fields; a file of another version is refused (rerun the probe)
 ENV_VAR = "MOE_PLAN_CALIBRATION"
 DEFAULT_PATH = Path("~/.cache/moe-platform/calibration.json")
 RERUN = "rerun `moe-plan --calibrate` to measure this machine"
@@ -55,14 +70,20 @@ class Calibration:
     memory_bandwidth: float  # bytes/s one thread moves in a large copy (read + write)
     all_reduce_bandwidth: float  # gloo bus bandwidth, 2 processes: 2·(n-1)/n · bytes / seconds
     all_to_all_bandwidth: float  # bytes a rank sends to others / seconds
+    reduce_scatter_bandwidth: float  # gloo bus bandwidth: (n-1)/n · bytes / seconds
+    all_gather_bandwidth: float  # gloo bus bandwidth: (n-1)/n · bytes / seconds
     send_recv_bandwidth: float  # bytes / seconds of one send, measured as half a ping-pong
     collective_latency_s: float  # one all-reduce of one float
     dp_overlap: float  # share of an all-reduce that hid behind matmuls run meanwhile (0: none, 1: all of it)
     per_layer_overhead_s: float  # a transformer block's fixed forward + backward cost, besides its FLOPs
+    optimizer_passes: float  # AdamW's step time × memory_bandwidth / the training state's bytes
     cores: int  # the cores this process may run on
     memory_bytes: int  # physical memory of the machine
     torch_version: str
     measured_on: str  # ISO date
+    # FLOP/s per rank of `block_model`'s blocks, forward + backward, every core busy, by dtype; None: not measured
+    block_flops: dict[str, float] | None = None
+    block_model: str | None = None  # what the blocks were: D, experts, top-k, tokens per micro-batch
     version: int = VERSION
 
 
@@ -109,12 +130,20 @@ def _first_bad_figure(c: Calibration) -> str | None:
         return f"matmul_flops={c.matmul_flops!r}, not rates by dtype"
     rates = {**{f"matmul_flops.{k}": v for k, v in c.matmul_flops.items()}, "memory_bandwidth": c.memory_bandwidth}
     rates.update(all_reduce_bandwidth=c.all_reduce_bandwidth, all_to_all_bandwidth=c.all_to_all_bandwidth)
+    rates.update(reduce_scatter_bandwidth=c.reduce_scatter_bandwidth, all_gather_bandwidth=c.all_gather_bandwidth)
     rates.update(send_recv_bandwidth=c.send_recv_bandwidth, cores=c.cores, memory_bytes=c.memory_bytes)
     for name, value in rates.items():
         if not isinstance(value, (int, float)) or not value > 0:
             return f"{name}={value!r}, not a positive number"
     if "fp32" not in c.matmul_flops:
         return "no fp32 matmul rate"
+    if c.block_flops is not None and (
+        not isinstance(c.block_flops, dict)
+        or not all(isinstance(v, (int, float)) and v > 0 for v in c.block_flops.values())
+    ):
+        return f"block_flops={c.block_flops!r}, not positive rates by dtype"
+    if not isinstance(c.optimizer_passes, (int, float)) or not c.optimizer_passes > 0:
+        return f"optimizer_passes={c.optimizer_passes!r}, not a positive number"
     for name in ("collective_latency_s", "per_layer_overhead_s", "dp_overlap"):
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or value < 0:
@@ -124,16 +153,18 @@ def _first_bad_figure(c: Calibration) -> str | None:
 
 def this_machine_cluster(calibration: Calibration, ranks: int) -> Cluster:
     """One node of `ranks` one-thread processes sharing the machine's cores: each rank's matmul, memory and link
-    rates are the calibrated one-thread figures × min(1, cores / ranks); its memory, the machine's / ranks. The link
-    is gloo's all-reduce bus bandwidth (the time model's ring formulas divide by exactly that)."""
+    rates are the calibrated one-thread figures × min(1, cores / ranks); its memory, the machine's / ranks. The
+    matmul rate is the blocks' (`block_flops`) where measured, else the GEMM probe's. The link is gloo's all-reduce
+    bus bandwidth (the time model's ring formulas divide by exactly that)."""
     if ranks < 1:
         raise ValueError(f"--gpus-per-node {ranks}: a CPU run needs at least one process")
     share = min(1.0, calibration.cores / ranks)
+    rates = calibration.block_flops or calibration.matmul_flops
     link = calibration.all_reduce_bandwidth * share
     cpu = Gpu(
         name=f"CPU ({calibration.cores} cores, calibrated {calibration.measured_on})",
         memory_bytes=calibration.memory_bytes / ranks,
-        peak_flops={dtype: rate * share for dtype, rate in calibration.matmul_flops.items()},
+        peak_flops={dtype: rate * share for dtype, rate in rates.items()},
         memory_bandwidth=calibration.memory_bandwidth * share,
         nvlink_bandwidth=link,
     )
@@ -142,37 +173,49 @@ def this_machine_cluster(calibration: Calibration, ranks: int) -> Cluster:
 
 def this_machine_assumptions(calibration: Calibration) -> Assumptions:
     """The time model's constants on this machine: efficiencies 1 (the calibrated rates are achieved ones), the
-    latency, overlap and per-block cost the probe measured."""
+    latency, overlap, optimizer passes and per-block cost the probe measured; with `block_flops` no activation
+    passes or per-block cost on top (the blocks' time holds them)."""
+    blocks = calibration.block_flops is not None
     return Assumptions(
         matmul_efficiency=1.0,
         memory_efficiency=1.0,
         comm_efficiency=1.0,
+        reduce_scatter_speed=calibration.reduce_scatter_bandwidth / calibration.all_reduce_bandwidth,
+        all_gather_speed=calibration.all_gather_bandwidth / calibration.all_reduce_bandwidth,
         dp_overlap=calibration.dp_overlap,
         collective_latency_s=calibration.collective_latency_s,
-        per_layer_overhead_s=calibration.per_layer_overhead_s,
+        activation_passes=0.0 if blocks else Assumptions.activation_passes,
+        per_layer_overhead_s=0.0 if blocks else calibration.per_layer_overhead_s,
+        optimizer_passes=calibration.optimizer_passes,
     )
 
 
 # ---- the probe -----------------------------------------------------------------------------------------------------
 
 
-def measure(*, repeats: int = 5) -> Calibration:
-    """Run the whole probe on this machine (~15-25 s): matmuls, a copy and a tiny model on one thread here, then
-    gloo in two spawned processes."""
+def measure(*, repeats: int = 5, config: TrainConfig | None = None) -> Calibration:
+    """Run the whole probe on this machine (~15-25 s, ~30 s more with a `config`): matmuls, a copy, a tiny model and
+    an AdamW step on one thread here, gloo in two spawned processes, and `config`'s blocks in `cores`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's thread, as moe-train's ranks run
     try:
         matmul = {name: matmul_rate(dtype, repeats) for name, dtype in TORCH_DTYPES.items()}
         bandwidth = memory_bandwidth(repeats)
         overhead = per_layer_overhead(repeats)
+        optimizer = optimizer_passes(bandwidth, repeats)
     finally:
         torch.set_num_threads(threads)
     comm = gloo_figures(repeats)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    blocks = None if config is None else loaded_block_rates(config, cores, repeats)
     return Calibration(
         matmul_flops=matmul,
         memory_bandwidth=bandwidth,
         per_layer_overhead_s=overhead,
-        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        optimizer_passes=optimizer,
+        block_flops=blocks,
+        block_model=None if config is None else block_model(config),
+        cores=cores,
         memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
         torch_version=torch.__version__,
         measured_on=date.today().isoformat(),
@@ -240,6 +283,89 @@ def per_layer_overhead(repeats: int = 5) -> float:
     return max(0.0, (step_seconds(3) - step_seconds(1)) / 2)
 
 
+# AdamW's state for OPTIMIZER_PARAMS fp32 parameters: weights, gradients, m, v = 16 B each (64 MiB), past the caches.
+OPTIMIZER_PARAMS = 4 * 2**20
+
+
+def optimizer_passes(bandwidth: float, repeats: int = 5) -> float:
+    """How many times torch's AdamW step (the trainer's foreach kernel) moves its state: seconds × `bandwidth` /
+    bytes of weights, gradients, m and v, over a few tensors of OPTIMIZER_PARAMS parameters in all."""
+    params = [torch.zeros(OPTIMIZER_PARAMS // 4, requires_grad=True) for _ in range(4)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    seconds = _median_seconds(optimizer.step, repeats, min_s=0.1)
+    return seconds * bandwidth / (OPTIMIZER_PARAMS * 4 * FP32_BYTES)
+
+
+FP32_BYTES = 4
+
+
+def block_model(config: TrainConfig) -> str:
+    """What `block_rate` times, in words: the block's widths and routing and the tokens of one micro-batch."""
+    m = config.model
+    ffn = f"{m.moe.num_experts} experts of {m.moe.expert_d_ff} top-{m.moe.top_k}" if m.moe else f"FFN {m.d_ff}"
+    tokens = config.trainer.micro_batch_size * config.data.seq_len
+    return f"D {m.d_model}, {m.n_heads} heads, {ffn}, {tokens} tokens a micro-batch"
+
+
+def block_rate(config: TrainConfig, dtype: torch.dtype, repeats: int = 5) -> float:
+    """FLOP/s of one of `config`'s blocks forward and backward on this thread at its micro-batch: the model of 2
+    blocks minus that of 1 (embedding, head and loss cancel), its matmul FLOPs (moe.flops, × 3) over the seconds.
+    MoE blocks where the model has any (the dense prefix is the rarer block). bf16 autocasts as the trainer does."""
+    from moe.flops import matmul_flops_per_token
+    from moe.model import Transformer
+
+    model = config.model
+    tokens_B, seq = config.trainer.micro_batch_size, config.data.seq_len
+    moe = dataclasses.replace(model.moe, first_dense_layers=0) if model.moe is not None else None
+
+    def seconds_and_flops(n_layers: int) -> tuple[float, float]:
+        torch.manual_seed(0)
+        shape = dataclasses.replace(model, n_layers=n_layers, moe=moe)
+        net = Transformer(shape)
+        ids_BT = torch.randint(0, shape.vocab_size, (tokens_B, seq))
+
+        def forward_backward():
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                out = net(ids_BT)
+                loss = out.logits.float().square().mean() + out.aux_loss
+            loss.backward()
+
+        flops = matmul_flops_per_token(shape, seq).training * tokens_B * seq
+        return _median_seconds(forward_backward, repeats, min_s=0.2), flops
+
+    (t1, f1), (t2, f2) = seconds_and_flops(1), seconds_and_flops(2)
+    return (f2 - f1) / max(t2 - t1, 1e-9)
+
+
+def loaded_block_rates(config: TrainConfig, processes: int, repeats: int = 5) -> dict[str, float]:
+    """`block_rate` by dtype in `processes` spawned one-thread processes started together (every core busy, as in
+    a full run): the median over the processes."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(processes), context.Queue()
+    workers = [
+        context.Process(target=_block_worker, args=(config, repeats, barrier, results)) for _ in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    rates = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    return {name: statistics.median(rate[name] for rate in rates) for name in TORCH_DTYPES}
+
+
+def _block_worker(config: TrainConfig, repeats: int, barrier, results) -> None:
+    torch.set_num_threads(1)
+    rates = {}
+    for name, dtype in TORCH_DTYPES.items():
+        barrier.wait()  # every process times the same dtype at once
+        rates[name] = block_rate(config, dtype, repeats)
+    results.put(rates)
+
+
 def gloo_figures(repeats: int = 5) -> dict[str, float]:
     """The gloo half of the probe, in two spawned processes (one thread each) on 127.0.0.1; rank 0's figures."""
     import torch.multiprocessing as mp
@@ -288,6 +414,9 @@ def _gloo_probe(rank: int, world: int, repeats: int) -> dict[str, float]:
     latency = timed(lambda: dist.all_reduce(one), 20 * repeats)
     all_reduce = timed(lambda: dist.all_reduce(buffer), repeats)
     all_to_all = timed(lambda: dist.all_to_all_single(received, buffer), repeats)
+    shard = torch.ones(MESSAGE_BYTES // 4 // n)
+    reduce_scatter = timed(lambda: dist.reduce_scatter_tensor(shard, buffer), repeats)
+    all_gather = timed(lambda: dist.all_gather_into_tensor(received, shard), repeats)
 
     def ping_pong():
         if rank == 0:
@@ -324,6 +453,8 @@ def _gloo_probe(rank: int, world: int, repeats: int) -> dict[str, float]:
     return {
         "all_reduce_bandwidth": 2 * (n - 1) / n * MESSAGE_BYTES / all_reduce,
         "all_to_all_bandwidth": (n - 1) / n * MESSAGE_BYTES / all_to_all,
+        "reduce_scatter_bandwidth": (n - 1) / n * MESSAGE_BYTES / reduce_scatter,
+        "all_gather_bandwidth": (n - 1) / n * MESSAGE_BYTES / all_gather,
         "send_recv_bandwidth": MESSAGE_BYTES / send_recv,
         "collective_latency_s": latency,
         "dp_overlap": min(1.0, max(0.0, hidden)),

@@ -15,15 +15,16 @@ compute   = F_rank · T_rank / (peak[dtype] · matmul_efficiency)  +  bytes_move
             T_rank = global batch × S / D tokens. dtype: the run's precision (bf16, fp32: plain FP32, not TF32), or
             `matmul_dtype` (e.g. fp8 for a run whose GEMMs are FP8, like DeepSeek-V3's: the planner then assumes
             every matmul at that rate, an upper bound on what FP8 training gets, whose attention and some GEMMs
-            stay bf16). bytes_moved: the optimizer step reads and writes the rank's training state once each
-            (2 × its bytes), and elementwise work moves every activation byte `activation_passes` times per
-            micro-batch (written in forward, read in backward, its gradient written).
+            stay bf16). bytes_moved: the optimizer step moves the rank's training state `optimizer_passes`
+            times (2: reads and writes it once), and elementwise work moves every activation byte
+            `activation_passes` times per micro-batch (written in forward, read in backward, its gradient written).
 all-to-all = m · L_moe,rank · n_a2a · (max(on_node / intra, off_node / inter) / comm_efficiency + latency) · imbalance,
             n_a2a = 4 transfers per MoE layer (dispatch and combine, forward and backward; 6 when checkpointing
             replays the forward's two), on_node + off_node = b·S·K·(EP-1)/EP·d·s bytes a rank sends, split by
             where its EP peers live (consecutive ranks fill a node first); × (1 - a2a_overlap) exposed.
 data-parallel: ring collectives, all-reduce 2·(n-1)/n · bytes / bw, reduce-scatter and all-gather (n-1)/n · bytes
-            / bw, bw = the group's link × comm_efficiency (NVLink inside a node, the NIC across), + latency each;
+            / bw, bw = the group's link × comm_efficiency (NVLink inside a node, the NIC across; reduce-scatter
+            and all-gather × reduce_scatter_speed, all_gather_speed relative to an all-reduce), + latency each;
             non-expert state over the stage's D ranks (HSDP: shards over D/R, all-reduce over R), expert blocks
             over their D/EP expert-data-parallel ranks. What each strategy sends:
               DDP          grads (fp32) all-reduced once per step, during the last micro-batch's backward;
@@ -85,9 +86,14 @@ class Assumptions:
     # Share of a link's bandwidth a ring or all-to-all reaches (nccl-tests bus bandwidth: ~0.75-0.85 of NVLink
     # and of a 400 Gb/s NIC at large messages).
     comm_efficiency: float = 0.75
+    # Bus bandwidth of a reduce-scatter and of an all-gather over an all-reduce's: 1 for NCCL's rings; gloo's
+    # reduce-scatter on CPU reaches ~0.4 of its all-reduce (plan/calibrate.py measures both).
+    reduce_scatter_speed: float = 1.0
+    all_gather_speed: float = 1.0
     dp_overlap: float = 0.9  # share of its window's compute that data-parallel traffic hides behind
     a2a_overlap: float = 0.0  # our MoE layer waits for its all-to-all (no overlap with compute)
     activation_passes: float = 3.0  # memory-bound passes over every activation byte per micro-batch
+    optimizer_passes: float = 2.0  # times the optimizer step moves the rank's training state (2: read, write once)
     per_layer_overhead_s: float = 0.0  # launch/dispatch cost per layer per micro-batch, forward + backward
     collective_latency_s: float = 20e-6  # fixed cost of one collective or P2P message (NCCL: ~10-30 µs)
     ddp_bucket_bytes: float = 25 * 2**20  # DDP's bucket_cap_mb default: one all-reduce per bucket
@@ -215,7 +221,8 @@ def _rank_work(
             layers=stage_layers, head=has_head,
         )  # fmt: skip
         activation_moved += acts.total * assume.activation_passes * micro_batches
-    memory = (2 * state + activation_moved) / (cluster.gpu.memory_bandwidth * assume.memory_efficiency)
+    moved = assume.optimizer_passes * state + activation_moved
+    memory = moved / (cluster.gpu.memory_bandwidth * assume.memory_efficiency)
     overhead = assume.per_layer_overhead_s * len(layers) * micro_batches
     a2a = _all_to_all_seconds(model, run, cluster, assume, len(moe_layers), rows, micro_batches) * imbalance
     dense, routed = held_params_by_rank(model, run)[pipeline_rank if P > 1 else 0]
@@ -252,11 +259,13 @@ def _all_to_all_seconds(
 
 def _ring(kind: str, num_bytes: float, group: int, bandwidth: float, assume: Assumptions, messages: int = 1) -> float:
     """A ring collective over `group` ranks: all-reduce 2·(n-1)/n of the bytes, reduce-scatter or all-gather
-    (n-1)/n, at bandwidth × comm_efficiency, + one latency per message."""
+    (n-1)/n, at bandwidth × comm_efficiency (× the kind's speed relative to an all-reduce), + one latency per
+    message."""
     if group <= 1 or num_bytes == 0:
         return 0.0
     share = (2 if kind == "all_reduce" else 1) * (group - 1) / group
-    return share * num_bytes / (bandwidth * assume.comm_efficiency) + messages * assume.collective_latency_s
+    speed = {"reduce_scatter": assume.reduce_scatter_speed, "all_gather": assume.all_gather_speed}.get(kind, 1.0)
+    return share * num_bytes / (bandwidth * assume.comm_efficiency * speed) + messages * assume.collective_latency_s
 
 
 def _data_parallel_seconds(

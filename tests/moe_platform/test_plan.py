@@ -89,6 +89,17 @@ def test_time_model_terms_follow_their_formulas() -> None:
     assert busier.all_to_all == pytest.approx(1.5 * base.all_to_all) and busier.compute > base.compute
     halved = step_time(config, fast, dataclasses.replace(DEFAULT_ASSUMPTIONS, matmul_efficiency=0.3))
     assert halved.compute > base.compute and halved.mfu < base.mfu
+    # FSDP's traffic is gathers and reduce-scatters: slowing either kind slows it; an all-reduce-only DDP keeps its.
+    slower_rs = step_time(config, slow, dataclasses.replace(DEFAULT_ASSUMPTIONS, reduce_scatter_speed=0.4))
+    slower_ag = step_time(config, slow, dataclasses.replace(DEFAULT_ASSUMPTIONS, all_gather_speed=0.4))
+    assert min(slower_rs.data_parallel, slower_ag.data_parallel) > step_time(config, slow).data_parallel
+    ddp = train_config([*MOE_SMALL, "distributed=ddp"])
+    ddp_rs = step_time(ddp, slow, dataclasses.replace(DEFAULT_ASSUMPTIONS, reduce_scatter_speed=0.4))
+    assert ddp_rs.data_parallel == step_time(ddp, slow).data_parallel
+    # The optimizer's passes over the training state add memory-bound time, linearly.
+    passes = [step_time(config, fast, dataclasses.replace(DEFAULT_ASSUMPTIONS, optimizer_passes=n)) for n in (2, 4, 6)]
+    assert passes[2].compute - passes[1].compute == pytest.approx(passes[1].compute - passes[0].compute)
+    assert passes[1].compute > passes[0].compute
     # The model's MFU is the ratio it documents: training matmul FLOPs per token × tokens/s over W × peak.
     assert base.mfu == pytest.approx(
         base.model_flops_per_token * base.tokens_per_s / (16 * gpu_named("H100").peak("bf16"))

@@ -16,10 +16,13 @@ CAL = Calibration(
     memory_bandwidth=1.5e10,
     all_reduce_bandwidth=8e8,
     all_to_all_bandwidth=1e9,
+    reduce_scatter_bandwidth=3.2e8,
+    all_gather_bandwidth=6.4e8,
     send_recv_bandwidth=2.5e9,
     collective_latency_s=2.3e-4,
     dp_overlap=0.5,
     per_layer_overhead_s=1.3e-3,
+    optimizer_passes=3.1,
     cores=2,
     memory_bytes=24 * 2**30,
     torch_version="2.13.0+cpu",
@@ -63,6 +66,8 @@ def _json_with(**changes) -> str:
         (_json_with(matmul_flops={"bf16": 1e12}), "no fp32 matmul rate"),
         (_json_with(matmul_flops=[1e12]), "matmul_flops=[1000000000000.0], not rates by dtype"),
         (_json_with(collective_latency_s="fast"), "collective_latency_s='fast'"),
+        (_json_with(block_flops={"fp32": -1.0}), "block_flops={'fp32': -1.0}, not positive rates"),
+        (_json_with(optimizer_passes=0), "optimizer_passes=0, not a positive number"),
     ],
 )
 def test_a_missing_corrupt_or_foreign_file_is_refused_in_one_sentence(tmp_path: Path, text, words: str) -> None:
@@ -102,12 +107,40 @@ def test_the_assumptions_take_the_measured_rates_as_achieved() -> None:
     a = calibrate.this_machine_assumptions(CAL)
     assert (a.matmul_efficiency, a.memory_efficiency, a.comm_efficiency) == (1.0, 1.0, 1.0)
     assert (a.collective_latency_s, a.per_layer_overhead_s, a.dp_overlap) == (2.3e-4, 1.3e-3, 0.5)
+    assert (a.optimizer_passes, a.activation_passes) == (3.1, 3.0)
+    assert (a.reduce_scatter_speed, a.all_gather_speed) == pytest.approx((0.4, 0.8))  # relative to the all-reduce
+
+
+def test_measured_blocks_replace_the_gemm_rate_and_what_their_time_holds() -> None:
+    """A block's measured time holds its elementwise work and per-op cost: neither is added on top again."""
+    with_blocks = dataclasses.replace(CAL, block_flops={"fp32": 9e10, "bf16": 1e11}, block_model="D 512")
+    for ranks in (1, 2, 4):
+        gpu = calibrate.this_machine_cluster(with_blocks, ranks).gpu
+        assert gpu.peak("fp32") == pytest.approx(9e10 * min(1.0, CAL.cores / ranks))
+    a = calibrate.this_machine_assumptions(with_blocks)
+    assert (a.activation_passes, a.per_layer_overhead_s, a.optimizer_passes) == (0.0, 0.0, 3.1)
+
+
+def test_the_block_probe_times_real_blocks_on_every_core_at_once() -> None:
+    from moe_platform.launch.compose import train_config
+
+    config = train_config(["model=moe_tiny", "data.seq_len=32", "trainer.micro_batch_size=2"])
+    rates = calibrate.loaded_block_rates(config, processes=2, repeats=1)
+    assert set(rates) == {"fp32", "bf16"} and all(0 < rate < 1e13 for rate in rates.values())
+    described = calibrate.block_model(config)  # the file says which blocks its rate is of
+    assert f"D {config.model.d_model}," in described and "64 tokens a micro-batch" in described
+
+
+def test_adamw_moves_its_state_at_least_once() -> None:
+    passes = calibrate.optimizer_passes(calibrate.memory_bandwidth(repeats=1), repeats=1)
+    assert passes > 1.0, "reading and writing weights, gradients, m and v cannot take less than one pass"
 
 
 def test_the_gloo_probe_measures_two_real_processes() -> None:
     figures = calibrate.gloo_figures(repeats=1)
     assert set(figures) == {
         "all_reduce_bandwidth", "all_to_all_bandwidth", "send_recv_bandwidth", "collective_latency_s", "dp_overlap",
+        "reduce_scatter_bandwidth", "all_gather_bandwidth",
     }  # fmt: skip
     assert all(figures[k] > 0 for k in figures if k != "dp_overlap")
     assert 0 <= figures["dp_overlap"] <= 1
