@@ -1,6 +1,6 @@
 """moe-plan's step time on this machine: predicted (plan/time_model.py on the calibrated CPU) against measured.
 
-    .venv/bin/python bench/plan_time.py                                # every layout, 3 repeats (~25 min)
+    .venv/bin/python bench/plan_time.py                                # every layout, 3 repeats (~30 min)
     .venv/bin/python bench/plan_time.py --layouts ddp2,pp2_1f1b --repeats 1
     .venv/bin/python bench/plan_time.py --calibration FILE             # a `moe-plan --calibrate` file, not a probe
     .venv/bin/python bench/plan_time.py --smoke                        # one short run, for tests/bench

@@ -83,8 +83,13 @@ def build_host_bytes(config: TrainConfig, world_size: int) -> float:
     block."""
     run = config.run_shape(world_size)
     if run.fsdp or run.zero_stage == 3 or run.pipeline_size > 1:
-        return max(fsdp_unit_params(config.model, ep_size=1)) * FP32_BYTES
+        return least_build_host_bytes(config)
     return config.model.num_params() * FP32_BYTES
+
+
+def least_build_host_bytes(config: TrainConfig) -> float:
+    """The least any layout's build holds in host memory, at any size: the largest block in fp32."""
+    return max(fsdp_unit_params(config.model, ep_size=1)) * FP32_BYTES
 
 
 def memory_demand(config: TrainConfig, world_size: int, has_gpu: bool) -> Demand:
@@ -163,6 +168,9 @@ def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memo
         best = fitting[0]
         return [f"run {' '.join(best.layout.overrides())} instead (moe-plan's fastest layout that fits these {ranks}, "
                 f"{_gb(best.memory.total)} per rank)"]  # fmt: skip
+
+    if least_build_host_bytes(config) > memory.host_bytes / max(local_ranks, 1):
+        return []  # no layout on any number of nodes builds within this host's share per rank
 
     def best_on(cluster: Cluster) -> Plan | None:
         return next(iter(fitting_plans(config, cluster.world_size, local_ranks, memory)), None)
