@@ -1,31 +1,19 @@
 """bench/gpu_mfu.py runs end to end in its tiny configuration on CPU: the code a GPU session runs is exercised."""
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_mfu.py"
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("gpu_mfu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_tiny_run_reports_both_models_with_peak_memory_near_the_ledger(tmp_path: Path) -> None:
+def test_tiny_run_reports_both_models_with_peak_memory_near_the_ledger(load_bench, tmp_path: Path) -> None:
     """fp32: CPU bf16 grouped_mm takes ~0.1 s per call here, whatever the size; the bf16 master-weight path is the
     GPU run's and is covered by `test_master_weights_step_matches_fp32_adamw`."""
     if torch.cuda.is_available():
         pytest.skip("the tiny configuration is the CPU test; on a GPU run the bench itself")
-    bench = _load_bench()
+    bench = load_bench("gpu_mfu")
     out = tmp_path / "mfu.json"
     results = bench.main(["--tiny", "--dtype", "fp32", "--json", str(out)])
     assert [r.name for r in results] == ["moe", "dense"]
@@ -42,8 +30,8 @@ def test_tiny_run_reports_both_models_with_peak_memory_near_the_ledger(tmp_path:
     assert [row["name"] for row in json.loads(out.read_text())] == ["moe", "dense"]
 
 
-def test_dense_twin_keeps_everything_but_the_ffn() -> None:
-    bench = _load_bench()
+def test_dense_twin_keeps_everything_but_the_ffn(load_bench) -> None:
+    bench = load_bench("gpu_mfu")
     moe = bench.moe_1b(tiny=False)
     dense = bench.dense_twin(moe)
     assert dense.moe is None and dense.d_ff == moe.moe.top_k * moe.moe.expert_d_ff
@@ -51,9 +39,9 @@ def test_dense_twin_keeps_everything_but_the_ffn() -> None:
     assert 1.0e9 < moe.num_params() < 1.2e9
 
 
-def test_master_weights_step_matches_fp32_adamw() -> None:
+def test_master_weights_step_matches_fp32_adamw(load_bench) -> None:
     """bf16 weights + fp32 masters: after a step the weights are the fp32 AdamW result rounded to bf16."""
-    bench = _load_bench()
+    bench = load_bench("gpu_mfu")
     torch.manual_seed(0)
     reference = torch.nn.Linear(8, 4)
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)

@@ -1,17 +1,8 @@
 """bench/mla_decode.py runs in its quick mode: both decode paths agree and the latent cache is the seed's size."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "mla_decode.py"
-
-
-def test_quick_run_decodes_both_ways_alike_and_sizes_the_latent_cache() -> None:
-    spec = importlib.util.spec_from_file_location("mla_decode", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+def test_quick_run_decodes_both_ways_alike_and_sizes_the_latent_cache(load_bench) -> None:
+    bench = load_bench("mla_decode")
     result = bench.main(["--quick"])
     assert result["max_diff"] < 1e-4
     # quick shape: B=2, L=2, S=56, d_c=32, d_r=8, fp32; H=4 heads of n + r + v = 40

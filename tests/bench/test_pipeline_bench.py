@@ -1,23 +1,9 @@
 """bench/pipeline.py: its replay reproduces the 1F1B theory on ideal durations, and its quick run measures every
 schedule on the same work (same first loss as the PP=1 loop) with idle shares that are shares."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from moe.stages import bubble_fraction
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "pipeline.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("pipeline_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_f_one_b(stage: int, pp: int, m: int, forward: float, backward: float) -> list[tuple]:
@@ -32,8 +18,8 @@ def one_f_one_b(stage: int, pp: int, m: int, forward: float, backward: float) ->
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-def test_the_replay_of_ideal_1f1b_durations_gives_the_theory(pp: int) -> None:
-    bench, m = load_bench(), 8
+def test_the_replay_of_ideal_1f1b_durations_gives_the_theory(load_bench, pp: int) -> None:
+    bench, m = load_bench("pipeline"), 8
     step = [{"actions": one_f_one_b(s, pp, m, forward=1.0, backward=2.0)} for s in range(pp)]
     span, busy = bench.replay(step, pp)
     assert span == pytest.approx((m + pp - 1) * 3.0)
@@ -41,8 +27,8 @@ def test_the_replay_of_ideal_1f1b_durations_gives_the_theory(pp: int) -> None:
     assert idle == pytest.approx(bubble_fraction("1f1b", pp, m))
 
 
-def test_quick_run_measures_every_schedule_on_the_same_work() -> None:
-    bench = load_bench()
+def test_quick_run_measures_every_schedule_on_the_same_work(load_bench) -> None:
+    bench = load_bench("pipeline")
     (result,) = bench.main(["--quick"])
     losses = result["first_loss"]
     assert set(losses) == {"1f1b", "interleaved_1f1b", "zbv", "pp1"}

@@ -1,13 +1,10 @@
 """bench/trainer_overhead.py compares like with like: its bare loop trains exactly what `moe-train` trains."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "trainer_overhead.py"
 TINY = [
     "data.synthetic.num_tokens=131072",
     "data.seq_len=32",
@@ -17,15 +14,8 @@ TINY = [
 ]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("trainer_overhead", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_bare_loop_computes_the_trainers_losses_step_for_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = load_bench()
+def test_the_bare_loop_computes_the_trainers_losses_step_for_step(load_bench, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_bench("trainer_overhead")
     args = argparse.Namespace(bare="single", out=None, warmup=2, steps=4, log_every=2, threads=1, overrides=TINY)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -44,9 +34,9 @@ def test_the_bare_loop_computes_the_trainers_losses_step_for_step(monkeypatch: p
     assert all(seconds > 0 for seconds in bench.seconds_per_step(records, [2, 4, 6]))
 
 
-def test_the_bare_fsdp_loop_with_experts_split_computes_the_trainers_losses() -> None:
+def test_the_bare_fsdp_loop_with_experts_split_computes_the_trainers_losses(load_bench) -> None:
     """2 ranks over torchrun, as the bench launches both: FSDP2 with EP=2 (the fsdp_ep row)."""
-    bench = load_bench()
+    bench = load_bench("trainer_overhead")
     args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
     records = bench.run_trainer(args, "fsdp_ep")
     bare = bench.run_bare(args, "fsdp_ep")["loss_per_step"]
