@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from moe.ledger import fsdp_unit_params
+from moe.ledger import FP32_BYTES, fsdp_unit_params
 from moe_platform.config import ConfigError, TrainConfig
 from moe_platform.plan.hardware import GIGA, NOMINAL_CPU, Cluster, gpu_of_device
 from moe_platform.plan.layouts import (
@@ -35,7 +35,6 @@ from moe_platform.plan.layouts import (
 )
 from moe_platform.plan.memory import rank_memory
 
-FP32_BYTES = 4
 OVERRIDE = "or set distributed.check_memory=false if you know better"
 SMALLER_PRESET = "pick a smaller preset such as model=moe_small"
 

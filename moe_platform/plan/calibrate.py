@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from moe.ledger import FP32_BYTES
 from moe_platform.config import TrainConfig
 from moe_platform.plan.hardware import Cluster, Gpu
 from moe_platform.plan.time_model import Assumptions
@@ -296,9 +297,6 @@ def optimizer_passes(bandwidth: float, repeats: int = 5) -> float:
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     seconds = _median_seconds(optimizer.step, repeats, min_s=0.1)
     return seconds * bandwidth / (OPTIMIZER_PARAMS * 4 * FP32_BYTES)
-
-
-FP32_BYTES = 4
 
 
 def block_model(config: TrainConfig) -> str:

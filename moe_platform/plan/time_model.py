@@ -60,6 +60,7 @@ from moe.ffn import ffn_matmul_flops_per_token
 from moe.flops import matmul_flops_per_token
 from moe.ledger import (
     ACTIVATION_BYTES,
+    FP32_BYTES,
     PARAM_DTYPE_BYTES,
     RunShape,
     activation_bytes,
@@ -71,8 +72,6 @@ from moe.ledger import (
 from moe.stages import bubble_fraction, layer_costs
 from moe_platform.config import TrainConfig
 from moe_platform.plan.hardware import Cluster
-
-FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
