@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from moe import MoELayer
 from moe.expert_parallel import ExpertParallel
+from moe_platform.config import TrainConfig
 from moe_platform.parallel.expert_parallel import shard_experts
 from moe_platform.parallel.groups import ExpertParallelGroups
 
@@ -93,6 +94,12 @@ class ShardingPolicy:
         )
         offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
         return {"reshard_after_forward": self.reshard_after_forward, "mp_policy": precision, "offload_policy": offload}
+
+
+def sharding_policy(config: TrainConfig) -> ShardingPolicy:
+    """The run's policy: distributed.fsdp's resharding and offload, bf16 compute under trainer.precision=bf16."""
+    fsdp = config.distributed.fsdp
+    return ShardingPolicy(fsdp.reshard_after_forward, config.trainer.precision == "bf16", fsdp.cpu_offload)
 
 
 def shard_model(model: nn.Module, meshes: ShardingMeshes, policy: ShardingPolicy) -> None:

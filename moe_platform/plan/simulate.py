@@ -117,9 +117,7 @@ def build_rank(config: TrainConfig, world_size: int) -> tuple[nn.Module, Pipelin
         return model, split
     if distributed.strategy == "fsdp":  # Trainer._shard_fsdp
         meshes = fsdp.build_meshes("cpu", distributed.fsdp.replicate_size, distributed.expert_parallel_size)
-        bf16 = config.trainer.precision == "bf16"
-        policy = fsdp.ShardingPolicy(distributed.fsdp.reshard_after_forward, bf16, distributed.fsdp.cpu_offload)
-        fsdp.shard_model(model, meshes, policy)
+        fsdp.shard_model(model, meshes, fsdp.sharding_policy(config))
     elif distributed.strategy == "ddp":
         expert_parallel.attach(model, distributed.expert_parallel_size, deepspeed=False)
     else:

@@ -23,7 +23,7 @@ from moe.stages import EMBED
 from moe.stats import MoEStats
 from moe_platform.config import TrainConfig
 from moe_platform.parallel import fsdp, pipeline
-from moe_platform.parallel.fsdp import ShardingPolicy
+from moe_platform.parallel.fsdp import sharding_policy
 
 
 def token_mean_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
@@ -54,11 +54,7 @@ class PipelineTraining:
         pipeline.split_experts(model, self.meshes)
         self.stages = pipeline.stage_modules(model, self.layout, self.stage_ids)
         if self.fsdp:
-            policy = ShardingPolicy(
-                dist_config.fsdp.reshard_after_forward, self.config.trainer.precision == "bf16",
-                dist_config.fsdp.cpu_offload,
-            )  # fmt: skip
-            pipeline.shard_stages(model, self.stages, self.meshes, policy)
+            pipeline.shard_stages(model, self.stages, self.meshes, sharding_policy(self.config))
         self.model = model
 
     def start(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:

@@ -232,10 +232,7 @@ class Trainer:
         dist = self.config.distributed
         self.meshes = fsdp.build_meshes(self.accelerator.device.type, dist.fsdp.replicate_size,
                                         dist.expert_parallel_size)  # fmt: skip
-        policy = fsdp.ShardingPolicy(
-            dist.fsdp.reshard_after_forward, self.config.trainer.precision == "bf16", dist.fsdp.cpu_offload
-        )
-        fsdp.shard_model(model, self.meshes, policy)
+        fsdp.shard_model(model, self.meshes, fsdp.sharding_policy(self.config))
 
     def _parallelize(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Collective: split the experts over EP ranks (if asked), then replicate or ZeRO-shard the model as the
