@@ -15,8 +15,9 @@ Points the runtime passes: `forward`, `backward`, `step_end` (trainer: inside st
 and `checkpoint_write`, `checkpoint_rename`, `checkpoint_pointer` (checkpoint/checkpointer.py: before this rank writes
 its files, before the directory is renamed complete, between that rename and the `latest` pointer), and
 `checkpoint_shards` (checkpoint/sharded.py: inside a DCP save, after this rank's shard file is written and before
-DCP's index). `step` is the optimizer step being run (1-based) or the step of the checkpoint being written. `rank` is
-the launcher's RANK.
+DCP's index), and `checkpoint_prune` (checkpointer.py, rank 0: an old checkpoint renamed for deletion, its files not
+yet deleted). `step` is the optimizer step being run (1-based) or the step of the checkpoint being written (for
+`checkpoint_prune`, of the one being deleted). `rank` is the launcher's RANK.
 """
 
 import errno

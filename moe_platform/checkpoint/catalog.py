@@ -2,6 +2,8 @@
 
     checkpoints/step_00000050/   a checkpoint; complete once its manifest.json, written last, is there
     checkpoints/.tmp_step_…      a save in progress, or one a kill cut short: never taken for a checkpoint
+    checkpoints/.removing_step_… a pruned or replaced checkpoint whose deletion a kill cut short: renamed out of the
+                                 `step_…` names before its files go, swept by the next prune
     checkpoints/latest           the newest checkpoint's name, for people and tools; nothing here relies on it
     checkpoints/abandoned/       checkpoints later than the step a run started from (a rollback, or a corrupt one
                                  passed over on resume): set aside by the checkpointer, never deleted
@@ -19,11 +21,18 @@ from moe_platform.checkpoint.errors import CheckpointError
 CHECKPOINT_DIRNAME = "checkpoints"
 LATEST = "latest"
 ABANDONED_DIRNAME = "abandoned"
+REMOVING_PREFIX = ".removing_"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def step_dirname(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def removing_name(path: Path) -> Path:
+    """Where a checkpoint goes while it is deleted: out of the `step_…` names first, so that a kill part-way through
+    the deletion leaves debris, never a `step_…` directory without its manifest."""
+    return Path(path).with_name(REMOVING_PREFIX + Path(path).name)
 
 
 def step_of(path: Path) -> int:

@@ -49,8 +49,10 @@ from moe_platform.checkpoint.catalog import (
     ABANDONED_DIRNAME,
     CHECKPOINT_DIRNAME,
     LATEST,
+    REMOVING_PREFIX,
     complete_checkpoints,
     latest_checkpoint,
+    removing_name,
     step_dirname,
     step_dirs,
     step_of,
@@ -145,7 +147,8 @@ class Checkpointer:
             time.sleep(RETRY_BACKOFF_S * attempt)
         if self.accelerator.is_main_process:
             faults.point("checkpoint_rename", step)
-            shutil.rmtree(final, ignore_errors=True)  # re-saving the same step (e.g. after a resume)
+            if final.exists():  # re-saving the same step (e.g. after a resume)
+                _remove_checkpoint(final)
             os.replace(tmp, final)
             faults.point("checkpoint_pointer", step)
             _write_atomically(self.root / LATEST, final.name)
@@ -236,7 +239,9 @@ class Checkpointer:
         protected = {keep, self.resumed_from}
         for old in complete_checkpoints(self.root)[: -self.keep_last]:
             if old not in protected:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove_checkpoint(old)
+        for debris in self.root.glob(f"{REMOVING_PREFIX}*"):  # deletions a kill cut short
+            shutil.rmtree(debris, ignore_errors=True)
 
     def _on_main(self, action, *args, **kwargs) -> None:
         if self.accelerator.is_main_process:
@@ -344,6 +349,16 @@ def _free_bytes(path: Path) -> int:
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename, then delete: `rmtree` removes manifest.json among the first files, so a kill part-way through would
+    leave a `step_…` directory that is not a checkpoint (catalog.removing_name)."""
+    doomed = removing_name(path)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    faults.point("checkpoint_prune", step_of(path))
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:

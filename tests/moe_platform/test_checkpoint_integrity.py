@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_platform.checkpoint import manifest
-from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname
+from moe_platform.checkpoint.catalog import REMOVING_PREFIX, is_complete, latest_checkpoint, step_dirname, step_dirs
 from moe_platform.checkpoint.consolidate import export_fp32_state_dict, verify_checkpoint
 from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.testing import assert_resumes_exactly, metric_steps, moe_train
@@ -271,3 +271,19 @@ def test_a_rollback_keeps_the_checkpoint_it_resumed_from_and_sets_later_ones_asi
     assert metric_steps(run_dir) == list(range(1, STEPS + 1))
     superseded = [json.loads(line) for line in (run_dir / "metrics.superseded.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in superseded if "loss" in r}) == [3, 4, 5, 6]
+
+
+def test_a_kill_while_pruning_leaves_debris_never_a_checkpoint_without_its_manifest(tmp_path: Path, stopped_at_4) -> None:
+    """`rmtree` deletes manifest.json among the first files: an old checkpoint is renamed out of the `step_…` names
+    before its files go, and the next prune sweeps what a kill left."""
+    run_dir = stopped_at_4(tmp_path)
+    prune = {"MOE_FAULTS": "kill@checkpoint_prune:step=2"}  # the step-6 save prunes step 2 (keep_last=1)
+    result = moe_train(run_dir, *SAVING, "trainer.keep_last=1", "resume=auto", env=prune, check=False)
+    assert result.returncode == -9, result.stderr[-2000:]
+    root = run_dir / "checkpoints"
+    assert [p.name for p in step_dirs(root)] == [step_dirname(4), step_dirname(6)]
+    assert all(is_complete(p) for p in step_dirs(root)), "a directory named step_… is always complete"
+    assert (root / f"{REMOVING_PREFIX}{step_dirname(2)}").is_dir()
+    moe_train(run_dir, *SAVING, "trainer.keep_last=1", "trainer.max_steps=8", "resume=auto")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", step_dirname(6), step_dirname(8)], "the debris is swept"
+    assert metric_steps(run_dir) == list(range(1, 9))

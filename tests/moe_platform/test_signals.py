@@ -16,6 +16,7 @@ import pytest
 from moe_platform.checkpoint.catalog import (
     CHECKPOINT_DIRNAME,
     LATEST,
+    REMOVING_PREFIX,
     complete_checkpoints,
     is_complete,
     latest_checkpoint,
@@ -70,7 +71,7 @@ def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_compl
     complete = complete_checkpoints(root)
     assert all(is_complete(path) for path in complete), "a directory named step_… is always complete"
     leftovers = {p.name for p in root.iterdir()} - {p.name for p in complete} - {LATEST}
-    assert all(name.startswith((".tmp_step_", f".{LATEST}.")) for name in leftovers), leftovers  # cut short
+    assert all(name.startswith((".tmp_step_", f"{REMOVING_PREFIX}step_", f".{LATEST}.")) for name in leftovers), leftovers  # cut short
     latest = latest_checkpoint(run_dir)
     assert latest is not None and latest in complete and int(latest.name[5:]) <= max(metric_steps(run_dir))
 
