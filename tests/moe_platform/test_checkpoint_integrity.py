@@ -273,7 +273,7 @@ def test_a_rollback_keeps_the_checkpoint_it_resumed_from_and_sets_later_ones_asi
     assert sorted({r["step"] for r in superseded if "loss" in r}) == [3, 4, 5, 6]
 
 
-def test_a_kill_while_pruning_leaves_debris_never_a_checkpoint_without_its_manifest(tmp_path: Path, stopped_at_4) -> None:
+def test_a_kill_while_pruning_leaves_debris_never_a_step_dir_without_manifest(tmp_path: Path, stopped_at_4) -> None:
     """`rmtree` deletes manifest.json among the first files: an old checkpoint is renamed out of the `step_…` names
     before its files go, and the next prune sweeps what a kill left."""
     run_dir = stopped_at_4(tmp_path)

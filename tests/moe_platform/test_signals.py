@@ -71,7 +71,8 @@ def test_a_second_ctrl_c_stops_at_once_and_leaves_no_checkpoint_that_looks_compl
     complete = complete_checkpoints(root)
     assert all(is_complete(path) for path in complete), "a directory named step_… is always complete"
     leftovers = {p.name for p in root.iterdir()} - {p.name for p in complete} - {LATEST}
-    assert all(name.startswith((".tmp_step_", f"{REMOVING_PREFIX}step_", f".{LATEST}.")) for name in leftovers), leftovers  # cut short
+    debris = (".tmp_step_", f"{REMOVING_PREFIX}step_", f".{LATEST}.")  # a save, a deletion, a pointer cut short
+    assert all(name.startswith(debris) for name in leftovers), leftovers
     latest = latest_checkpoint(run_dir)
     assert latest is not None and latest in complete and int(latest.name[5:]) <= max(metric_steps(run_dir))
 
