@@ -103,10 +103,13 @@ def _build_partitioned(
 
     # The DeepSpeed config Accelerate will hand to the engine (partition group, offload device, ...).
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=torch.float32):
+    # DeepSpeed picks an explicit dtype as `dtype or fp16 if fp16_supported() else bf16 ...` (sic): fp32 comes back
+    # as bf16 on a device without fp16 (a CPU without AVX512-FP16, e.g. an AMD EPYC). With no dtype it reads the
+    # config instead, so a copy with bf16 and fp16 off builds in fp32; bf16 runs round the shards below.
+    fp32_config = {**ds_config, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    with deepspeed.zero.Init(config_dict_or_path=fp32_config):
         model = Transformer(config.model)
-    # DeepSpeed picks its dtype as `dtype or fp16 if fp16_supported() else bf16 ...` (sic), so an explicit fp32
-    # still comes back as bf16 on an accelerator without fp16; a silent change of the draws must not pass.
+    # a silent change of the draws must not pass, whatever DeepSpeed does next
     built = {p.ds_tensor.dtype for p in model.parameters()}
     if built != {torch.float32}:
         raise RuntimeError(f"deepspeed.zero.Init built the parameters in {built}, not fp32 as asked")
