@@ -127,20 +127,28 @@ def tokenize_rows(
     ``role`` is "all", "train" or "val"; train/val keep the documents on their side of the holdout
     hash. ``first_row`` is the dataset row index of the table's first row, for error messages.
     """
-    texts = _text_column(table, text_field, first_row)
+    texts = text_column(table, text_field, first_row)
     if role != "all":
-        data, offsets = string_buffers(texts)
-        held_out = holdout_mask_from_bytes(
-            (memoryview(data)[offsets[i] : offsets[i + 1]] for i in range(len(texts))), val_fraction
-        )
+        held_out = holdout_mask_from_bytes(document_bytes(texts), val_fraction)
         texts = texts.filter(pa.array(held_out if role == "val" else ~held_out))
+    return tokenize_texts(texts, tokenizer)
+
+
+def tokenize_texts(texts: pa.Array, tokenizer: Tokenizer) -> pa.LargeListArray:
+    """Token ids (EOS appended) of each document of a string array without nulls that tokenizes to something."""
     ids = tokenizer.encode_documents(texts)
     if len(ids.values) and int(np.max(ids.values.to_numpy())) >= tokenizer.vocab_size:
         raise DataError(f"tokenizer {tokenizer.name!r} produced an id >= its vocab_size {tokenizer.vocab_size}")
     return ids
 
 
-def _text_column(table: pa.Table, text_field: str, first_row: int) -> pa.Array:
+def document_bytes(texts: pa.Array) -> Iterator[memoryview]:
+    """Each document's UTF-8 bytes, without copying them: what the holdout hash reads."""
+    data, offsets = string_buffers(texts)
+    return (memoryview(data)[offsets[i] : offsets[i + 1]] for i in range(len(texts)))
+
+
+def text_column(table: pa.Table, text_field: str, first_row: int) -> pa.Array:
     """The text column as a UTF-8 string array; a null, non-text or non-UTF-8 row is a BadRowError."""
     column = table.column(text_field).combine_chunks()
     if column.null_count:
@@ -175,6 +183,17 @@ def _tokenize_batch(table: pa.Table, indices: list[int], **kwargs) -> pa.Table:
     return pa.table({"ids": tokenize_rows(table, indices[0] if indices else 0, **kwargs)})
 
 
+def check_has_documents(dataset, config: HFSourceConfig, where: str) -> None:
+    """A map-style dataset has rows, and the text field among its columns; else a DataError naming ``where``."""
+    if len(dataset) == 0:
+        raise DataError(f"{where} has no rows: point data.hf.path or data.hf.data_files at data with documents")
+    if config.text_field not in dataset.column_names:
+        raise DataError(
+            f"{where}: row 0 has no text field {config.text_field!r} (columns: {dataset.column_names}): "
+            "set data.hf.text_field to one of them"
+        )
+
+
 def tokenize_dataset(
     dataset,
     config: HFSourceConfig,
@@ -189,13 +208,7 @@ def tokenize_dataset(
     import datasets
     from datasets.fingerprint import Hasher
 
-    if len(dataset) == 0:
-        raise DataError(f"{where} has no rows: point data.hf.path or data.hf.data_files at data with documents")
-    if config.text_field not in dataset.column_names:
-        raise DataError(
-            f"{where}: row 0 has no text field {config.text_field!r} (columns: {dataset.column_names}): "
-            "set data.hf.text_field to one of them"
-        )
+    check_has_documents(dataset, config, where)
     # Our own cache key: hashing the tokenizer object through dill is slow and not always stable.
     # ``_fingerprint`` is datasets' identity of the loaded data (its own cache key for this table).
     fingerprint = Hasher.hash(

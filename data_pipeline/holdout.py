@@ -30,8 +30,18 @@ def holdout_mask_from_index(doc_index: np.ndarray, fraction: float) -> np.ndarra
 
 def holdout_mask_from_bytes(documents: Iterable[bytes | memoryview], fraction: float) -> np.ndarray:
     """Boolean mask, True where the document (its UTF-8 bytes) belongs to validation (blake2b-64)."""
-    threshold = int(fraction * _MANTISSA)
+    return holdout_mask_from_keys(holdout_keys_from_bytes(documents), fraction)
+
+
+def holdout_keys_from_bytes(documents: Iterable[bytes | memoryview]) -> np.ndarray:
+    """Each document's 64-bit hash key (blake2b-64 of its UTF-8 bytes, little-endian), as uint64: what a prepared
+    corpus stores per document (``shards``), so that its carving needs no text."""
     return np.array(
-        [int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little") >> 11 < threshold for doc in documents],
-        dtype=bool,
+        [int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little") for doc in documents], dtype=np.uint64
     )
+
+
+def holdout_mask_from_keys(keys: np.ndarray, fraction: float) -> np.ndarray:
+    """Boolean mask, True where the document of hash key ``keys[i]`` belongs to validation: its top 53 bits, read
+    as a number in [0, 1), are below ``fraction``."""
+    return (keys >> np.uint64(11)) < np.uint64(int(fraction * _MANTISSA))
