@@ -3,7 +3,8 @@
 Entry point: ``build_loaders(DataConfig(...), rank, world_size, micro_batch_size)``, after ``preflight`` (the checks
 that need no tokenization, for the start of a run, before any process group). See ``loader``
 for batch layout and resume semantics, ``synthetic`` for the default corpus and its entropy floor,
-``hf_source`` for Hugging Face datasets, ``packing`` for how documents become windows.
+``hf_source`` for Hugging Face datasets, ``packing`` for how documents become windows, ``prepare`` and ``shards``
+for a corpus tokenized once into memory-mapped shards (``moe-data prepare``, ``data.source=tokenized``).
 """
 
 from data_pipeline.errors import DataConfigError, DataError
@@ -12,6 +13,8 @@ from data_pipeline.loader import DataConfig, DataLoaders, TrainLoader, ValConfig
 from data_pipeline.order import BatchLayout
 from data_pipeline.packing import TokenBuffer, pack_stream
 from data_pipeline.preflight import preflight
+from data_pipeline.prepare import Prepared, prepare
+from data_pipeline.shards import TokenizedConfig, TokenizedCorpus
 from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
 from data_pipeline.tokenizer import ByteTokenizer, HFTokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
 
@@ -24,9 +27,12 @@ __all__ = [
     "DataLoaders",
     "HFSourceConfig",
     "HFTokenizer",
+    "Prepared",
     "SyntheticConfig",
     "SyntheticLanguage",
     "TokenBuffer",
+    "TokenizedConfig",
+    "TokenizedCorpus",
     "TokenizerConfig",
     "TrainLoader",
     "ValConfig",
@@ -36,4 +42,5 @@ __all__ = [
     "check_vocab_fits",
     "pack_stream",
     "preflight",
+    "prepare",
 ]

@@ -23,8 +23,9 @@ micro-batch, which is right because its optimizer step never happened. World siz
 size may change across a resume.
 
 Source selection is Hydra-friendly without ``_target_``: ``source`` names which of the sub-configs
-``synthetic`` / ``hf`` is used, and the unused one must be left at its defaults (so no key is ever
-silently ignored).
+``synthetic`` / ``hf`` / ``tokenized`` is used, and the unused ones must be left at their defaults (so no key is
+ever silently ignored). ``tokenized`` reads a directory ``moe-data prepare`` wrote (``shards``): the same windows,
+in the same order, as ``hf`` map-style on the source it was prepared from.
 
 In a multi-process job, call ``build_loaders`` on the main process first (e.g. under Accelerate's
 ``main_process_first()``): map-style tokenization is then done once and the other ranks read the
@@ -46,10 +47,11 @@ from data_pipeline.hf_source import HFSourceConfig, describe, load_split, stream
 from data_pipeline.holdout import holdout_mask_from_index
 from data_pipeline.order import BatchLayout, IndexedSamples, SampleSequence, StreamedSamples
 from data_pipeline.packing import TokenBuffer, pack_stream
+from data_pipeline.shards import TokenizedConfig, TokenizedCorpus
 from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
 from data_pipeline.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
 
-SOURCES = ("synthetic", "hf")
+SOURCES = ("synthetic", "hf", "tokenized")
 DEFAULT_HOLDOUT_FRACTION = 0.01
 
 
@@ -96,10 +98,11 @@ class ValConfig:
 class DataConfig:
     """Everything that defines the token batches: source, tokenizer, packing, batching, order."""
 
-    source: str = "synthetic"  # "synthetic" or "hf": which sub-config below is used
+    source: str = "synthetic"  # "synthetic", "hf" or "tokenized": which sub-config below is used
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     hf: HFSourceConfig = field(default_factory=HFSourceConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    tokenized: TokenizedConfig = field(default_factory=TokenizedConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # tokenized: optional, must be the header's
     val: ValConfig = field(default_factory=ValConfig)
     seq_len: int = 256
     global_batch_size: int = 32  # packed samples per optimizer step, over all ranks
@@ -109,24 +112,30 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise DataConfigError(f"data.source={self.source!r} must be one of {SOURCES}")
-        if self.source == "synthetic":
-            if self.hf != HFSourceConfig():
+        for name, default in (
+            ("synthetic", SyntheticConfig()),
+            ("hf", HFSourceConfig()),
+            ("tokenized", TokenizedConfig()),
+        ):
+            if name != self.source and getattr(self, name) != default:
                 raise DataConfigError(
-                    "data.hf is set but data.source='synthetic': set data.source=hf or remove data.hf"
+                    f"data.{name} is set but data.source={self.source!r}: set data.source={name} or remove data.{name}"
                 )
+        if self.source != "hf" and self.val.split is not None:
+            raise DataConfigError(
+                f"data.val.split needs data.source=hf; the {self.source} source holds out data.val.fraction"
+            )
+        if self.source == "synthetic":
             if self.tokenizer != TokenizerConfig():
                 raise DataConfigError(
                     "data.tokenizer is unused by data.source='synthetic' (it emits token ids): remove it"
                 )
-            if self.val.split is not None:
+        elif self.source == "tokenized":
+            if not self.tokenized.path:
                 raise DataConfigError(
-                    "data.val.split needs data.source=hf; the synthetic source holds out data.val.fraction"
+                    "data.tokenized.path is empty: give a directory that `moe-data prepare ... --out DIR` wrote"
                 )
         else:
-            if self.synthetic != SyntheticConfig():
-                raise DataConfigError(
-                    "data.synthetic is set but data.source='hf': set data.source=synthetic or remove it"
-                )
             if not self.hf.path:
                 raise DataConfigError(
                     "data.hf.path is empty: name a hub dataset, a local directory, or 'json'/'parquet'/'text'"
@@ -284,7 +293,7 @@ class DataLoaders:
     eos_id: int
     pad_id: int
     entropy_floor: Optional[float] = None  # synthetic only: best achievable loss, nats/token
-    tokenizer: Optional[Tokenizer] = None  # hf only (for decoding)
+    tokenizer: Optional[Tokenizer] = None  # hf, and tokenized when data.tokenizer is set (for decoding)
     language: Optional[SyntheticLanguage] = None  # synthetic only (its tables)
 
 
@@ -305,6 +314,11 @@ def build_loaders(
         micro_batch_size = max(1, config.global_batch_size // world_size)
     layout = BatchLayout(config.global_batch_size, world_size, rank, micro_batch_size)
     val_layout = _val_layout(config, layout)
+    if config.source == "tokenized":
+        corpus = TokenizedCorpus.open(config.tokenized.path, verify=config.tokenized.verify)
+        if model_vocab_size is not None:
+            corpus.check_vocab_fits(model_vocab_size)
+        return _tokenized_loaders(config, corpus, layout, val_layout)
     if config.source == "synthetic":
         loaders = _synthetic_loaders(config, layout, val_layout)
         name = "synthetic"
@@ -445,6 +459,30 @@ def _collect_windows(token_batches: Iterator[np.ndarray], width: int, limit: Opt
         if limit is not None and count >= limit:
             break
     return TokenBuffer(blocks)
+
+
+def _tokenized_loaders(
+    config: DataConfig, corpus: TokenizedCorpus, layout: BatchLayout, val_layout: BatchLayout
+) -> DataLoaders:
+    """Prepared shards, carved and packed as ``_indexed_hf`` carves and packs the source they were prepared from."""
+    tokenizer = corpus.check_tokenizer(config.tokenizer)
+    fraction, width = config.val.holdout_fraction, config.seq_len + 1
+    where = f"tokenized corpus {corpus.path!r}"
+    train_tokens = corpus.tokens("train" if fraction > 0 else "all", fraction)
+    _check_fills_a_window(train_tokens, width, where)
+    eos_id = corpus.eos_id if config.document_mask else None
+    val = None
+    if config.val.enabled:
+        val_tokens = corpus.tokens("val", fraction)
+        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
+    return DataLoaders(
+        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id),
+        val=val,
+        vocab_size=corpus.vocab_size,
+        eos_id=corpus.eos_id,
+        pad_id=corpus.pad_id,
+        tokenizer=tokenizer,
+    )
 
 
 def _check_fills_a_window(tokens: TokenBuffer, width: int, where: str) -> None:

@@ -11,7 +11,11 @@ first, in well under a second:
 * the tokenizer: it loads, and its ids fit the model's embedding table;
 * a corpus that cannot fill one packed sample (or one validation batch) even at its largest: byte-level tokens of
   a text or JSON-lines document are never more than its line's bytes plus one, and synthetic corpora have
-  exactly `num_tokens` tokens.
+  exactly `num_tokens` tokens;
+* a tokenized corpus (`data.source=tokenized`): its header is there and every shard file has the header's size,
+  its vocabulary fits the model, `data.tokenizer` (when set) is the one it was prepared with, and its training and
+  validation documents (exactly: their counts are in its index) fill one packed sample and one validation batch.
+  Shard checksums are `build_loaders`'s to check (`data.tokenized.verify`): they take a read of the whole corpus.
 
 What only reading every row can tell (bytes that are not UTF-8 or a row without the text field past the first
 line, a corpus too small once tokenized and held out) is left to tokenization, which meets it with the file and row.
@@ -26,6 +30,7 @@ from data_pipeline.errors import DataConfigError, DataError
 from data_pipeline.hf_source import _LINE_FILES, _first_bad_line, resolve_data_files
 from data_pipeline.loader import DataConfig, _val_layout
 from data_pipeline.order import BatchLayout
+from data_pipeline.shards import TokenizedCorpus
 from data_pipeline.tokenizer import build_tokenizer, check_vocab_fits
 
 
@@ -47,6 +52,9 @@ def preflight(
             synthetic.num_tokens, config, val_batch, f"data.synthetic.num_tokens={synthetic.num_tokens}",
             "raise data.synthetic.num_tokens",
         )  # fmt: skip
+        return
+    if config.source == "tokenized":
+        _check_tokenized(config, model_vocab_size, val_batch)
         return
     hf = config.hf
     if hf.path.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(hf.path)):
@@ -72,6 +80,21 @@ def preflight(
             if most is not None:
                 what = f"{key} (at most {most} byte-level tokens)"
                 _check_enough_tokens(most, config, val_batch if holds_val else None, what, "add data")
+
+
+def _check_tokenized(config: DataConfig, model_vocab_size: int, val_batch: int) -> None:
+    """Header, shard sizes, vocabulary, tokenizer, and the exact token counts of the training and validation parts."""
+    corpus = TokenizedCorpus.open(config.tokenized.path, verify=False)
+    corpus.check_vocab_fits(model_vocab_size)
+    corpus.check_tokenizer(config.tokenizer)
+    fraction = config.val.holdout_fraction
+    where = f"data.tokenized.path={config.tokenized.path!r}"
+    train = corpus.tokens("train" if fraction > 0 else "all", fraction).num_tokens
+    _check_enough_tokens(train, config, None, f"{where} ({train} training tokens)", "prepare more data")
+    if config.val.enabled:
+        val = corpus.tokens("val", fraction).num_tokens
+        what = f"{where} ({val} validation tokens at data.val.fraction={fraction})"
+        _check_enough_tokens(val, config, val_batch, what, "raise data.val.fraction or prepare more data")
 
 
 def _check_first_row(path: str, builder: str, text_field: str) -> None:

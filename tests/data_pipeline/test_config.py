@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError
 
-from data_pipeline import DataConfig, HFSourceConfig, SyntheticConfig, TokenizerConfig, ValConfig
+from data_pipeline import DataConfig, HFSourceConfig, SyntheticConfig, TokenizedConfig, TokenizerConfig, ValConfig
 
 
 def test_data_config_round_trips_through_omegaconf():
@@ -40,6 +40,12 @@ def test_data_config_round_trips_through_omegaconf():
         (
             {"source": "hf", "hf": HFSourceConfig(path="json", data_files=["a"]), "val": ValConfig(split="validation")},
             "needs data.val.data_files",
+        ),
+        ({"source": "tokenized"}, "data.tokenized.path is empty"),
+        ({"tokenized": TokenizedConfig(path="shards")}, "data.tokenized is set but data.source='synthetic'"),
+        (
+            {"source": "tokenized", "tokenized": TokenizedConfig(path="shards"), "val": ValConfig(split="validation")},
+            "data.val.split needs data.source=hf; the tokenized source holds out data.val.fraction",
         ),
         ({"seq_len": 0}, "data.seq_len=0"),
     ],

@@ -389,8 +389,19 @@ CONFIG_CASES = [
     ),
     config("compile_with_zero3", ["distributed=zero3", "trainer.compile=true"], "trainer.compile=true", "zero2"),
     config("unknown_adamw_kernel", ["optim.implementation=apex"], "optim.implementation='apex'", "'fused'"),
-    config("unknown_data_source", ["data.source=web"], "data.source='web'", "must be one of ('synthetic', 'hf')"),
+    config(
+        "unknown_data_source",
+        ["data.source=web"],
+        "data.source='web'",
+        "must be one of ('synthetic', 'hf', 'tokenized')",
+    ),
     config("synthetic_with_a_tokenizer", ["data.tokenizer.name_or_path=gpt2"], "data.tokenizer is unused", "remove it"),
+    config(
+        "tokenized_with_a_val_split",
+        ["data=tokenized", "data.val.split=validation", "data.val.fraction=null"],
+        "data.val.split needs data.source=hf",
+        "the tokenized source holds out data.val.fraction",
+    ),
     config("resume_from_nothing", ["resume=no/such/checkpoint"], "resume=", "does not exist", kind="checkpoint"),
     # Where the run directory is: Hydra's default time-stamped one goes with the parents it made.
     config("default_run_dir", ["trainer.max_steps=0"], "trainer.max_steps=0", "must be >= 1", run_dir=None),
@@ -495,6 +506,21 @@ DATA_CASES = [
         "data.hf.data_files (at most 16 byte-level tokens) cannot fill one packed sample",
         "add data or lower data.seq_len",
         files={"corpus.jsonl": jsonl([{"text": "hi"}])},
+    ),
+    config(
+        "tokenized_directory_missing",
+        ["data=tokenized", "data.tokenized.path=no/such/shards"],
+        "data.tokenized.path='no/such/shards' does not exist",
+        "write it with `moe-data prepare ... --out no/such/shards`",
+        kind="data",
+    ),
+    config(
+        "tokenized_prepare_interrupted",
+        ["data=tokenized", "data.tokenized.path=shards"],
+        "data.tokenized.path='shards' holds shard files (1 shard(s) finished) but no header.json",
+        "re-run the same command to resume it",
+        kind="data",
+        files={"shards/shard_00000.bin": b"\x01\x00", "shards/shard_00000.done.json": "{}"},
     ),
     data(
         "missing_file_on_two_ranks",

@@ -9,7 +9,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from data_pipeline import DataError, build_loaders
+from data_pipeline import DataError, build_loaders, prepare
 from moe import Transformer
 from moe_platform.config import (
     ConfigError,
@@ -223,13 +223,17 @@ def test_learning_rate_schedules() -> None:
 
 
 def test_every_data_option_builds_its_loaders(tmp_path: Path) -> None:
-    """synthetic and hf_local build real loaders; hf_hub, offline here, fails with a DataError, not a trace."""
+    """synthetic, hf_local and tokenized (hf_local's corpus, prepared) build real loaders; hf_hub, offline here, fails
+    with a DataError, not a trace."""
     corpus = tmp_path / "train.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(2000)))
     synthetic = compose_config(["data=synthetic"])
     hf_local = compose_config(["data=hf_local", f"data.hf.data_files=[{corpus}]", "data.seq_len=64",
                                "data.global_batch_size=8", f"data.hf.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
-    for config in (synthetic, hf_local):
+    prepare(hf_local.data.hf, hf_local.data.tokenizer, str(tmp_path / "shards"), progress=False)
+    tokenized = compose_config(["data=tokenized", f"data.tokenized.path={tmp_path / 'shards'}", "data.seq_len=64",
+                                "data.global_batch_size=8"])  # fmt: skip
+    for config in (synthetic, hf_local, tokenized):
         loaders = build_loaders(config.data, 0, 1, config.trainer.micro_batch_size,
                                 model_vocab_size=config.model.vocab_size)  # fmt: skip
         batch = next(iter(loaders.train))
