@@ -5,7 +5,8 @@ option that does not exist, an override it cannot parse) in several lines, with 
 exits 1. The entry point (the one module that knows Hydra's exceptions) hands what each says to the functions here,
 which say it in one sentence naming the key and the fix, with the closest key or option when it looks like a typo.
 `RunDirBefore` notes what the run directory held before Hydra made it, so that a start refused for bad input removes
-what it added (Hydra's .hydra/ and log, our config.yaml) and nothing else.
+what it added (Hydra's .hydra/ and log, our config.yaml) and nothing else. `BAD_INPUT` is which errors are the user's
+input, for every command (moe-train, moe-data, moe-plan, moe-submit).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import difflib
 import os
 import re
 import shutil
+import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +26,35 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ConfigTypeError, ValidationError
 
-from moe_platform.config import not_a_key
+from data_pipeline import DataConfigError, DataError
+from moe import ModelConfigError
+from moe_platform.checkpoint.errors import CheckpointError
+from moe_platform.config import ConfigError, not_a_key
 
 HELP = "`moe-train --help` lists the config groups and keys"
+
+# The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
+BAD_INPUT = {
+    ConfigError: "config",
+    ModelConfigError: "config",
+    DataConfigError: "config",
+    CheckpointError: "checkpoint",
+    DataError: "data",
+}
+
+
+def bad_input_line(err: Exception) -> str:
+    """`<config|checkpoint|data> error: <the sentence>` on one line, for an error of one of BAD_INPUT's types."""
+    kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
+    return f"{kind} error: {err}".replace("\n", " ")
+
+
+def no_live_progress_bars_off_a_terminal() -> None:
+    """datasets' progress bars (loading, tokenizing) redraw one line with carriage returns: progress on a terminal,
+    noise in a Slurm or CI log, where they would also come before an error's one sentence on stderr. So they are
+    off when stderr is not a terminal, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def unparsable(message: str) -> str:

@@ -28,14 +28,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data_pipeline import DataConfigError, DataError, preflight
-from moe import ModelConfigError
+from data_pipeline import preflight
 from moe_platform.checkpoint.catalog import resume_candidates
-from moe_platform.checkpoint.errors import CheckpointError, CheckpointWriteError
+from moe_platform.checkpoint.errors import CheckpointWriteError
 from moe_platform.checkpoint.layout import CheckpointLayout
-from moe_platform.config import ConfigError, to_train_config, validate_launch, world_size_from_env
+from moe_platform.config import to_train_config, validate_launch, world_size_from_env
 from moe_platform.interop.init_from import adopt_source_model
-from moe_platform.launch.bad_input import RunDirBefore
+from moe_platform.launch.bad_input import (
+    BAD_INPUT,
+    RunDirBefore,
+    bad_input_line,
+    no_live_progress_bars_off_a_terminal,
+)
 from moe_platform.launch.compose import (
     CONFIG_NAME,
     CONFIG_PATH,
@@ -49,15 +53,6 @@ from moe_platform.launch.memory import check_memory_fits, local_rank, local_worl
 from moe_platform.redact import redacted_yaml, scrub_hydra_dir, secret_values
 from moe_platform.train.nan_guard import NumericalFault
 from moe_platform.train.preemption import RequeueLimitReached
-
-# The error types that mean bad input (a config, a checkpoint, the data), and the word that introduces each.
-BAD_INPUT = {
-    ConfigError: "config",
-    ModelConfigError: "config",
-    DataConfigError: "config",
-    CheckpointError: "checkpoint",
-    DataError: "data",
-}
 
 
 def agree_on_run_dir(accelerator, own_dir: Path) -> Path:
@@ -122,8 +117,7 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any]:
     try:
         return run(cfg)  # a sweep's launcher (e.g. submitit) hands each job's last metrics back
     except tuple(BAD_INPUT) as err:  # a user's mistake: one sentence, no trace; anything else keeps its traceback
-        kind = next(kind for error_type, kind in BAD_INPUT.items() if isinstance(err, error_type))
-        print(f"{kind} error: {err}".replace("\n", " "), file=sys.stderr)
+        print(bad_input_line(err), file=sys.stderr)
         _undo_refused_start()
         sys.exit(2)
     except RequeueLimitReached as err:  # the checkpoint is complete; the job just may not requeue again
@@ -159,7 +153,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     register_configs()
     _quiet_hydra_on_other_ranks()
-    _no_live_progress_bars_off_a_terminal()
+    no_live_progress_bars_off_a_terminal()
     _compose_or_exit(sys.argv[1:])
     _hydra_main()
     _leave_without_interpreter_teardown()
@@ -203,14 +197,6 @@ def _undo_refused_start() -> None:
         ours = {hydra_config.output_subdir, f"{hydra_config.job.name}.log", "config.yaml"}
     with contextlib.suppress(OSError):
         _run_dir_before.undo(hydra_config.runtime.output_dir, ours)
-
-
-def _no_live_progress_bars_off_a_terminal() -> None:
-    """datasets' progress bars (loading, tokenizing) redraw one line with carriage returns: progress on a terminal,
-    noise in a Slurm or CI log, where they would also come before an error's one sentence on stderr. So they are
-    off when stderr is not a terminal, unless HF_DATASETS_DISABLE_PROGRESS_BARS says otherwise."""
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 def _leave_without_interpreter_teardown() -> None:

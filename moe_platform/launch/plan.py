@@ -24,7 +24,7 @@ from dataclasses import asdict
 
 from moe.ledger import format_ledger
 from moe_platform.config import ConfigError, TrainConfig
-from moe_platform.launch.cli import BAD_INPUT
+from moe_platform.launch.bad_input import BAD_INPUT
 from moe_platform.launch.compose import composition_error, plain_run, train_config
 from moe_platform.plan import imbalance as imbalances
 from moe_platform.plan.hardware import GIB, Cluster, cluster_of

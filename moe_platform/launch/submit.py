@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from moe_platform.config import ConfigError, to_train_config, validate_launch
-from moe_platform.launch.cli import BAD_INPUT
+from moe_platform.launch.bad_input import BAD_INPUT
 from moe_platform.launch.compose import compose_train, composition_error, plain_run, user_config_dir
 from moe_platform.launch.memory import plan_refusal
 from moe_platform.plan.hardware import cluster_of, gpu_named
