@@ -641,6 +641,16 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(_one_sentence(err)) from None
 
 
+def to_data_config(cfg: DictConfig) -> DataConfig:
+    """The `data` node alone, typed and validated, for a command that reads nothing else (moe-data): a model or
+    trainer the data would not suit is a training run's concern, checked when one starts."""
+    reject_added_keys(cfg.data, "data.")
+    try:
+        return OmegaConf.to_object(cfg.data)
+    except USER_CONFIG_ERRORS as err:
+        raise ConfigError(_one_sentence(err)) from None
+
+
 def _one_sentence(err: Exception) -> str:
     """The error's first line; OmegaConf's own errors name their key only on a later line and suggest no fix."""
     first = str(err).split("\n")[0].strip()
