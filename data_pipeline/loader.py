@@ -34,8 +34,11 @@ In a multi-process job, call ``build_loaders`` on the main process first (e.g. u
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple, Optional
 
@@ -45,13 +48,16 @@ import torch
 from data_pipeline.errors import DataConfigError, DataError
 from data_pipeline.hf_source import HFSourceConfig, describe, load_split, stream_tokens, tokenize_dataset
 from data_pipeline.holdout import holdout_mask_from_index
+from data_pipeline.mixture import BlendSchedule, MixedSamples, MixtureSourceConfig, check_sources, normalised_weights
 from data_pipeline.order import BatchLayout, IndexedSamples, SampleSequence, StreamedSamples
 from data_pipeline.packing import TokenBuffer, pack_stream
+from data_pipeline.prefetch import Prefetched
 from data_pipeline.shards import TokenizedConfig, TokenizedCorpus
 from data_pipeline.synthetic import SyntheticConfig, SyntheticLanguage
 from data_pipeline.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer, check_vocab_fits
 
-SOURCES = ("synthetic", "hf", "tokenized")
+SOURCES = ("synthetic", "hf", "tokenized", "mixture")
+log = logging.getLogger(__name__)
 DEFAULT_HOLDOUT_FRACTION = 0.01
 
 
@@ -98,7 +104,7 @@ class ValConfig:
 class DataConfig:
     """Everything that defines the token batches: source, tokenizer, packing, batching, order."""
 
-    source: str = "synthetic"  # "synthetic", "hf" or "tokenized": which sub-config below is used
+    source: str = "synthetic"  # "synthetic", "hf", "tokenized" or "mixture": which sub-config below is used
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     hf: HFSourceConfig = field(default_factory=HFSourceConfig)
     tokenized: TokenizedConfig = field(default_factory=TokenizedConfig)
@@ -108,10 +114,19 @@ class DataConfig:
     global_batch_size: int = 32  # packed samples per optimizer step, over all ranks
     seed: int = 0  # sample order; the corpus itself does not depend on it
     document_mask: bool = False  # batches carry document_ids: attention stays inside each packed document
+    mixture: list[MixtureSourceConfig] = field(default_factory=list)  # data.source=mixture: the weighted sources
+    allow_changed_mixture: bool = False  # a resume may continue a changed mixture from the consumed counts
+    prefetch: int = 2  # micro-batches built ahead in a background thread (0: built when the step asks)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise DataConfigError(f"data.source={self.source!r} must be one of {SOURCES}")
+        if self.source == "mixture":
+            check_sources(self.mixture)
+        elif self.mixture:
+            raise DataConfigError(f"data.mixture is set but data.source={self.source!r}: set data.source=mixture")
+        if self.prefetch < 0:
+            raise DataConfigError(f"data.prefetch={self.prefetch} must be >= 0 (0: no prefetch)")
         for name, default in (
             ("synthetic", SyntheticConfig()),
             ("hf", HFSourceConfig()),
@@ -130,6 +145,10 @@ class DataConfig:
                 raise DataConfigError(
                     "data.tokenizer is unused by data.source='synthetic' (it emits token ids): remove it"
                 )
+        elif self.source == "mixture":
+            kinds = {source.kind for source in self.mixture}
+            if self.tokenizer != TokenizerConfig() and not kinds & {"hf", "tokenized"}:
+                raise DataConfigError("data.tokenizer is unused by a mixture of synthetic sources: remove it")
         elif self.source == "tokenized":
             if not self.tokenized.path:
                 raise DataConfigError(
@@ -169,11 +188,16 @@ def _to_batch(sample_ids: np.ndarray, windows: np.ndarray, eos_id: Optional[int]
 class TrainLoader:
     """Endless iterator over this rank's micro-batches, ``accumulation_steps`` per global step."""
 
-    def __init__(self, samples: SampleSequence, layout: BatchLayout, seed: int, eos_id: Optional[int] = None):
+    def __init__(
+        self, samples: SampleSequence, layout: BatchLayout, seed: int, eos_id: Optional[int] = None, prefetch: int = 0
+    ):
         self.samples = samples
         self.layout = layout
         self.seed = seed
         self.eos_id = eos_id  # set: batches carry document_ids (data.document_mask)
+        self.prefetch = prefetch  # micro-batches built ahead in a thread (data.prefetch; 0: none)
+        self.allow_changed_mixture = False  # data.allow_changed_mixture (a mixture's resume)
+        self._prefetched: Optional[Prefetched] = None
         self._start = 0  # global samples consumed when the current iterator began
         self._yielded = 0  # micro-batches yielded by the current iterator
 
@@ -194,20 +218,42 @@ class TrainLoader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         start = self.samples_consumed
         self._start, self._yielded = start, 0
-        return self._micro_batches(start)
+        if self._prefetched is not None:
+            self._prefetched.close()  # the previous iterator's thread
+        batches = self._micro_batches(start)
+        if self.prefetch:
+            batches = self._prefetched = Prefetched(batches, self.prefetch)
+        return self._counted(batches)
+
+    def _counted(self, batches: Iterator[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        """Counts a micro-batch when the loop takes it (a prefetched one is not consumed yet)."""
+        for batch in batches:
+            self._yielded += 1  # before yielding: after the last micro-batch the step counts as done
+            yield batch
 
     def _micro_batches(self, start: int) -> Iterator[dict[str, torch.Tensor]]:
         step = 0
         while True:
             for micro in range(self.accumulation_steps):
                 position = start + self.layout.micro_batch_start(step, micro)
-                batch = _to_batch(*self.samples.read(position, self.layout.micro_batch_size), self.eos_id)
-                self._yielded += 1  # before yielding: after the last micro-batch the step counts as done
-                yield batch
+                yield _to_batch(*self.samples.read(position, self.layout.micro_batch_size), self.eos_id)
             step += 1
 
+    def source_counts(self) -> Optional[dict[str, int]]:
+        """A mixture's samples per source in completed global steps (None for a single source)."""
+        return self.samples.consumed(self.samples_consumed) if isinstance(self.samples, MixedSamples) else None
+
+    def source_weights(self) -> dict[str, float]:
+        """A mixture's normalised weights by source name (empty for a single source)."""
+        if not isinstance(self.samples, MixedSamples):
+            return {}
+        return dict(zip(self.samples.names, self.samples.schedule.weights, strict=True))
+
     def state_dict(self) -> dict:
-        return {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_samples": self.num_samples}
+        state = {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_samples": self.num_samples}
+        if isinstance(self.samples, MixedSamples):
+            state["mixture"] = self.samples.state_at(self.samples_consumed)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``; the next ``iter()`` starts there."""
@@ -221,7 +267,19 @@ class TrainLoader:
                 f"data state was saved for a corpus of {saved} packed samples, this one has {now}: "
                 "resume with the same data, tokenizer and seq_len"
             )
-        self._start, self._yielded = int(state["samples_consumed"]), 0
+        mixed = isinstance(self.samples, MixedSamples)
+        if mixed != ("mixture" in state):
+            saved, now = ("a mixture", "one source") if not mixed else ("one source", "a mixture")
+            raise DataError(
+                f"data state was saved reading {saved} but this run reads {now}: resume with the data it was saved "
+                "with, or start afresh with resume=none"
+            )
+        position = int(state["samples_consumed"])
+        if mixed:
+            for change in self.samples.resume(position, state["mixture"], self.allow_changed_mixture):
+                log.warning("data.allow_changed_mixture: %s; the new mixture continues from step's sample %d",
+                            change, position)  # fmt: skip
+        self._start, self._yielded = position, 0
 
 
 class ValLoader:
@@ -295,6 +353,11 @@ class DataLoaders:
     entropy_floor: Optional[float] = None  # synthetic only: best achievable loss, nats/token
     tokenizer: Optional[Tokenizer] = None  # hf, and tokenized when data.tokenizer is set (for decoding)
     language: Optional[SyntheticLanguage] = None  # synthetic only (its tables)
+    val_by_source: dict[str, ValLoader] = field(default_factory=dict)  # a mixture's: each source's held-out part
+
+    @property
+    def evaluates(self) -> bool:
+        return self.val is not None or bool(self.val_by_source)
 
 
 def build_loaders(
@@ -304,16 +367,20 @@ def build_loaders(
     micro_batch_size: Optional[int] = None,
     *,
     model_vocab_size: Optional[int] = None,
+    total_samples: Optional[int] = None,
 ) -> DataLoaders:
     """Train and validation loaders for rank ``rank`` of ``world_size``.
 
     ``micro_batch_size`` defaults to ``global_batch_size // world_size`` (no accumulation). With
-    ``model_vocab_size`` a tokenizer whose ids would not fit the model raises a DataError.
+    ``model_vocab_size`` a tokenizer whose ids would not fit the model raises a DataError; with ``total_samples``
+    (global samples the run will read) a mixture source that would pass its ``max_epochs`` does.
     """
     if micro_batch_size is None:
         micro_batch_size = max(1, config.global_batch_size // world_size)
     layout = BatchLayout(config.global_batch_size, world_size, rank, micro_batch_size)
     val_layout = _val_layout(config, layout)
+    if config.source == "mixture":
+        return _mixture_loaders(config, layout, model_vocab_size, total_samples)
     if config.source == "tokenized":
         corpus = TokenizedCorpus.open(config.tokenized.path, verify=config.tokenized.verify)
         if model_vocab_size is not None:
@@ -355,7 +422,9 @@ def _synthetic_loaders(config: DataConfig, layout: BatchLayout, val_layout: Batc
         val_tokens = TokenBuffer([tokens[held_out_tokens]])
         val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
     return DataLoaders(
-        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id),
+        train=TrainLoader(
+            IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id, config.prefetch
+        ),
         val=val,
         vocab_size=language.vocab_size,
         eos_id=language.eos_id,
@@ -391,7 +460,7 @@ def _hf_loaders(config: DataConfig, layout: BatchLayout, val_layout: BatchLayout
         where = describe(hf, *held_out[:2])
         val_loader = ValLoader(load_val_tokens, config, val_layout, where, lazy=hf.streaming, eos_id=eos_id)
     return DataLoaders(
-        train=TrainLoader(train_samples, layout, config.seed, eos_id),
+        train=TrainLoader(train_samples, layout, config.seed, eos_id, config.prefetch),
         val=val_loader,
         vocab_size=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
@@ -476,7 +545,9 @@ def _tokenized_loaders(
         val_tokens = corpus.tokens("val", fraction)
         val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
     return DataLoaders(
-        train=TrainLoader(IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id),
+        train=TrainLoader(
+            IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id, config.prefetch
+        ),
         val=val,
         vocab_size=corpus.vocab_size,
         eos_id=corpus.eos_id,
@@ -491,3 +562,70 @@ def _check_fills_a_window(tokens: TokenBuffer, width: int, where: str) -> None:
             f"{where} holds {tokens.num_tokens} tokens after tokenization, fewer than one packed sample of "
             f"seq_len+1={width}: add data or lower data.seq_len"
         )
+
+
+def _mixture_loaders(
+    config: DataConfig, layout: BatchLayout, model_vocab_size: Optional[int], total_samples: Optional[int]
+) -> DataLoaders:
+    """Each source built as a source of its own (its samples, its held-out part, this rank's layouts), blended by
+    the mixture's schedule (``mixture``); every source must speak the same token ids."""
+    names = [source.name for source in config.mixture]
+    built = [
+        build_loaders(_source_config(config, source), layout.rank, layout.world_size, layout.micro_batch_size,
+                      model_vocab_size=model_vocab_size)
+        for source in config.mixture
+    ]  # fmt: skip
+    first = built[0]
+    for name, loaders in zip(names[1:], built[1:], strict=True):
+        if (loaders.vocab_size, loaders.eos_id) != (first.vocab_size, first.eos_id):
+            raise DataError(
+                f"data.mixture: source {name!r} has a vocabulary of {loaders.vocab_size} with EOS {loaders.eos_id}, "
+                f"source {names[0]!r} {first.vocab_size} with EOS {first.eos_id}: prepare every source with one "
+                "tokenizer"
+            )
+    weights = normalised_weights(names, [source.weight for source in config.mixture])
+    samples = MixedSamples(
+        names,
+        [loaders.train.samples for loaders in built],
+        BlendSchedule(weights),
+        fingerprints=[_source_fingerprint(config, source, loaders) for source, loaders in zip(config.mixture, built,
+                                                                                               strict=True)],
+    )  # fmt: skip
+    if total_samples is not None:
+        samples.check_capacity(total_samples, [source.max_epochs for source in config.mixture])
+    train = TrainLoader(samples, layout, config.seed, first.train.eos_id, config.prefetch)
+    train.allow_changed_mixture = config.allow_changed_mixture
+    return DataLoaders(
+        train=train,
+        val=None,
+        vocab_size=first.vocab_size,
+        eos_id=first.eos_id,
+        pad_id=first.pad_id,
+        tokenizer=next((loaders.tokenizer for loaders in built if loaders.tokenizer is not None), None),
+        val_by_source={name: loaders.val for name, loaders in zip(names, built, strict=True) if loaders.val},
+    )
+
+
+def _source_config(config: DataConfig, source: MixtureSourceConfig) -> DataConfig:
+    """The mixture source as a data config of its own: the mixture's packing, batches and held-out fraction, its
+    own order (a seed drawn from data.seed and its name, so two sources of the same data shuffle apart)."""
+    seed = int.from_bytes(hashlib.blake2b(f"{config.seed}/{source.name}".encode(), digest_size=4).digest(), "little")
+    common = dict(tokenizer=config.tokenizer if source.kind != "synthetic" else TokenizerConfig(), seed=seed,
+                  mixture=[], source=source.kind)  # fmt: skip
+    if source.kind == "tokenized":
+        return replace(config, tokenized=TokenizedConfig(path=source.path), **common)
+    if source.kind == "synthetic":
+        return replace(config, synthetic=source.synthetic, **common)
+    return replace(config, hf=source.hf, **common)
+
+
+def _source_fingerprint(config: DataConfig, source: MixtureSourceConfig, loaders: DataLoaders) -> str:
+    """Changes whenever the source's sample sequence could: its data (a prepared corpus's shard checksums; an
+    inline source's config and tokenizer), the packing width, the held-out fraction and the order's seed."""
+    if source.kind == "tokenized":
+        data = TokenizedCorpus.open(source.path, verify=False).fingerprint
+    else:
+        data = asdict(source.synthetic if source.kind == "synthetic" else source.hf)
+    tokenizer = loaders.tokenizer.fingerprint if loaders.tokenizer is not None else None
+    identity = [source.kind, data, tokenizer, config.seq_len, config.val.holdout_fraction, config.seed]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()

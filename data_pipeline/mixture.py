@@ -28,15 +28,66 @@ apply from the origin on.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
 from data_pipeline.errors import DataConfigError, DataError
+from data_pipeline.hf_source import HFSourceConfig
 from data_pipeline.order import SampleSequence
+from data_pipeline.synthetic import SyntheticConfig
 
 _BLOCK = 4096  # schedule positions computed at a time, ahead of the reads
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # it becomes a metric key: data/share/<name>, eval/loss/<name>
+
+
+@dataclass
+class MixtureSourceConfig:
+    """One source of `data.mixture`: its name, weight, repetition cap, and where its samples come from: prepared
+    shards (`path`, as data.source=tokenized reads them) or an inline source config (`synthetic`, `hf`; an hf
+    source tokenizes with data.tokenizer)."""
+
+    name: str = ""
+    weight: float = 0.0
+    max_epochs: Optional[float] = None  # epochs of this source the run may take at most (None: no cap)
+    path: Optional[str] = None
+    synthetic: Optional[SyntheticConfig] = None
+    hf: Optional[HFSourceConfig] = None
+
+    @property
+    def kind(self) -> str:
+        return "tokenized" if self.path is not None else "synthetic" if self.synthetic is not None else "hf"
+
+
+def check_sources(sources: Sequence[MixtureSourceConfig]) -> None:
+    """The start-up checks of `data.mixture` that need no data: names, one kind each, weights, caps."""
+    if not sources:
+        raise DataConfigError(
+            "data.source=mixture needs data.mixture: a list of {name, weight, path | synthetic | hf} sources"
+        )
+    names = [source.name for source in sources]
+    for index, source in enumerate(sources):
+        where = f"data.mixture[{index}]"
+        if not _NAME.match(source.name or ""):
+            raise DataConfigError(
+                f"{where}.name={source.name!r} must be a non-empty name of letters, digits, '_', '.' or '-' "
+                "(it names the source's metrics)"
+            )
+        if names.count(source.name) > 1:
+            raise DataConfigError(f"data.mixture names source {source.name!r} twice: give each source its own name")
+        given = [key for key in ("path", "synthetic", "hf") if getattr(source, key) is not None]
+        if len(given) != 1:
+            raise DataConfigError(
+                f"{where} ({source.name}) sets {given or 'none'} of path, synthetic, hf: give exactly one of them"
+            )
+        if source.max_epochs is not None and not source.max_epochs > 0:
+            raise DataConfigError(f"{where}.max_epochs={source.max_epochs} must be > 0, or null for no cap")
+    normalised_weights(names, [source.weight for source in sources])
 
 
 def normalised_weights(names: Sequence[str], weights: Sequence[float]) -> list[float]:
@@ -145,11 +196,66 @@ class MixedSamples:
         sequences: Sequence[SampleSequence],
         schedule: BlendSchedule,
         offsets: Optional[Sequence[int]] = None,
+        fingerprints: Optional[Sequence[str]] = None,
     ):
         self.names = list(names)
         self.sequences = list(sequences)
         self.schedule = schedule
         self.offsets = [0] * len(self.names) if offsets is None else [int(o) for o in offsets]
+        self.fingerprints = list(fingerprints) if fingerprints is not None else [""] * len(self.names)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return dict(zip(self.names, self.schedule.weights, strict=True))
+
+    def state_at(self, position: int) -> dict[str, Any]:
+        """What a resume at `position` needs (JSON): the schedule's origin, each source's offset there and
+        consumed count now, and the weights and data fingerprints that the resume checks against its own."""
+        return {
+            "origin": self.origin,
+            "offsets": dict(zip(self.names, self.offsets, strict=True)),
+            "consumed": self.consumed(position),
+            "weights": self.weights,
+            "fingerprints": dict(zip(self.names, self.fingerprints, strict=True)),
+        }
+
+    def changes_since(self, saved: dict[str, Any]) -> list[str]:
+        """What differs between the saved mixture and this one, one phrase each (empty: the same mixture)."""
+        changes, weights, fingerprints = [], self.weights, dict(zip(self.names, self.fingerprints, strict=True))
+        for name in saved["weights"]:
+            if name not in weights:
+                changes.append(f"source {name!r} removed")
+        for name in self.names:
+            if name not in saved["weights"]:
+                changes.append(f"source {name!r} added")
+                continue
+            if not math.isclose(saved["weights"][name], weights[name], rel_tol=1e-12, abs_tol=1e-15):
+                changes.append(f"weight of {name!r} {saved['weights'][name]:.6g} -> {weights[name]:.6g}")
+            if saved["fingerprints"].get(name) != fingerprints[name]:
+                changes.append(f"data of {name!r} changed")
+        return changes
+
+    def resume(self, position: int, saved: dict[str, Any], allow_changed: bool) -> list[str]:
+        """Continue at global `position` from `saved` (`state_at` of the run that wrote it); returns the changes
+        taken in (empty when the mixture is the same). A changed mixture is refused unless `allow_changed`: then a
+        new schedule starts at `position` and each source continues from what it had consumed."""
+        changes = self.changes_since(saved)
+        if changes and not allow_changed:
+            raise DataError(
+                f"data.mixture differs from the checkpoint's ({'; '.join(changes)}): resume with the mixture it "
+                "was saved with, or set data.allow_changed_mixture=true to continue the new one from the consumed "
+                "counts"
+            )
+        if changes:
+            self.offsets = [int(saved["consumed"].get(name, 0)) for name in self.names]
+            self.schedule = BlendSchedule(self.schedule.weights, origin=position)
+            return changes
+        self.offsets = [int(saved["offsets"][name]) for name in self.names]
+        since_origin = [int(saved["consumed"][name]) - offset for name, offset in zip(self.names, self.offsets,
+                                                                                       strict=True)]  # fmt: skip
+        self.schedule = BlendSchedule(self.schedule.weights, origin=int(saved["origin"]))
+        self.schedule.resume_at(position, since_origin)
+        return []
 
     @property
     def origin(self) -> int:
@@ -181,19 +287,33 @@ class MixedSamples:
     def check_capacity(self, positions: int, caps: Sequence[Optional[float]]) -> None:
         """Refuse, with the numbers, a run of `positions` global samples that would take a source past its
         `max_epochs` cap (None: no cap)."""
-        needed = self.consumed(positions)
-        for name, sequence, cap in zip(self.names, self.sequences, caps, strict=True):
-            if cap is None:
-                continue
-            available = sequence.num_samples
-            if available is None:
-                raise DataConfigError(
-                    f"data.mixture: source {name!r} has max_epochs={cap} but its size is not known before reading "
-                    "it (a stream): remove max_epochs or use a map-style or tokenized source"
-                )
-            if needed[name] > cap * available:
-                raise DataError(
-                    f"data.mixture: source {name!r} would give {needed[name]} samples to {positions} global samples, "
-                    f"{needed[name] / available:.2f} epochs of its {available}, past its max_epochs={cap}: lower its "
-                    "weight or trainer.max_steps, add data to it, or raise its max_epochs"
-                )
+        sizes = [sequence.num_samples for sequence in self.sequences]
+        check_caps(self.names, self.schedule, caps, sizes, positions, self.consumed(positions))
+
+
+def check_caps(
+    names: Sequence[str],
+    schedule: BlendSchedule,
+    caps: Sequence[Optional[float]],
+    sizes: Sequence[Optional[int]],
+    positions: int,
+    needed: Optional[dict[str, int]] = None,
+) -> None:
+    """Each capped source's samples in the first `positions` of the schedule against max_epochs × its size (None:
+    not known before reading it, a stream)."""
+    if needed is None:
+        needed = dict(zip(names, schedule.counts_at(positions), strict=True))
+    for name, cap, available in zip(names, caps, sizes, strict=True):
+        if cap is None:
+            continue
+        if available is None:
+            raise DataConfigError(
+                f"data.mixture: source {name!r} has max_epochs={cap} but its size is not known before reading "
+                "it (a stream): remove max_epochs or use a map-style or tokenized source"
+            )
+        if needed[name] > cap * available:
+            raise DataError(
+                f"data.mixture: source {name!r} would give {needed[name]} samples to {positions} global samples, "
+                f"{needed[name] / available:.2f} epochs of its {available}, past its max_epochs={cap}: lower its "
+                "weight or trainer.max_steps, add data to it, or raise its max_epochs"
+            )

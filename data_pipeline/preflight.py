@@ -28,17 +28,25 @@ from typing import Optional
 
 from data_pipeline.errors import DataConfigError, DataError
 from data_pipeline.hf_source import _LINE_FILES, _first_bad_line, resolve_data_files
-from data_pipeline.loader import DataConfig, _val_layout
+from data_pipeline.loader import DataConfig, _source_config, _val_layout, build_loaders
+from data_pipeline.mixture import BlendSchedule, check_caps, normalised_weights
 from data_pipeline.order import BatchLayout
 from data_pipeline.shards import TokenizedCorpus
 from data_pipeline.tokenizer import build_tokenizer, check_vocab_fits
 
 
 def preflight(
-    config: DataConfig, model_vocab_size: int, world_size: int = 1, micro_batch_size: Optional[int] = None
+    config: DataConfig,
+    model_vocab_size: int,
+    world_size: int = 1,
+    micro_batch_size: Optional[int] = None,
+    total_samples: Optional[int] = None,
 ) -> None:
     """Raise a DataConfigError or DataError, naming the config key and the fix, for what can be known before
     tokenizing; same arguments as `build_loaders`."""
+    if config.source == "mixture":
+        _check_mixture(config, model_vocab_size, world_size, micro_batch_size, total_samples)
+        return
     micro_batch_size = micro_batch_size or max(1, config.global_batch_size // world_size)
     try:
         layout = BatchLayout(config.global_batch_size, world_size, 0, micro_batch_size)
@@ -80,6 +88,36 @@ def preflight(
             if most is not None:
                 what = f"{key} (at most {most} byte-level tokens)"
                 _check_enough_tokens(most, config, val_batch if holds_val else None, what, "add data")
+
+
+def _check_mixture(
+    config: DataConfig,
+    model_vocab_size: int,
+    world_size: int,
+    micro_batch_size: Optional[int],
+    total_samples: Optional[int],
+) -> None:
+    """Each source as a source of its own, then the caps: a capped source's size is read from its shards' index or
+    drawn (synthetic) now; an hf source's is known once tokenized (build_loaders checks it then)."""
+    names = [source.name for source in config.mixture]
+    for source in config.mixture:
+        preflight(_source_config(config, source), model_vocab_size, world_size, micro_batch_size)
+    caps, sizes = [], []
+    for source in config.mixture:
+        map_style_hf = source.kind == "hf" and not source.hf.streaming  # its size needs tokenizing: checked later
+        if source.max_epochs is None or map_style_hf or total_samples is None:
+            caps.append(None)
+            sizes.append(None)
+        elif source.kind == "hf":  # a stream: its size is unknown, which check_caps refuses
+            caps.append(source.max_epochs)
+            sizes.append(None)
+        else:
+            caps.append(source.max_epochs)
+            sub = _source_config(config, source)
+            sizes.append(build_loaders(sub, model_vocab_size=model_vocab_size).train.num_samples)
+    if any(cap is not None for cap in caps):
+        weights = normalised_weights(names, [source.weight for source in config.mixture])
+        check_caps(names, BlendSchedule(weights), caps, sizes, total_samples)
 
 
 def _check_tokenized(config: DataConfig, model_vocab_size: int, val_batch: int) -> None:

@@ -314,13 +314,47 @@ def routing_figure(train: list[dict[str, Any]], layers: list[int], config) -> go
     return _layout(fig, "Routing health per MoE layer", height=400)
 
 
+def mixture_sources(records: RunRecords) -> list[str]:
+    """The names of a mixture's sources, from their `data/share/<name>` records (monitor/data_mix.py)."""
+    prefix = "data/share/"
+    return sorted({key[len(prefix) :] for r in records.train for key in r if key.startswith(prefix)})
+
+
+def mixture_figure(records: RunRecords, sources: list[str]) -> go.Figure:
+    """Each source's share of the tokens per log window beside its weight, and its own eval loss."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("share of each window's tokens (dotted: weight)",
+                                                        "eval loss per source"))  # fmt: skip
+    palette = qualitative.Plotly if len(sources) <= len(qualitative.Plotly) else qualitative.Dark24
+    for n, name in enumerate(sources):
+        color = palette[n % len(palette)]
+        for key, dash, shown in ((f"data/share/{name}", None, True), (f"data/weight/{name}", "dot", False)):
+            steps, values = _series(records.train, key)
+            fig.add_trace(
+                go.Scatter(x=steps, y=values, mode="lines", name=name, legendgroup=name, showlegend=shown,
+                           line={"color": color, "dash": dash}),
+                row=1, col=1,
+            )  # fmt: skip
+        steps, values = _series(records.evals, f"eval/loss/{name}")
+        fig.add_trace(
+            go.Scatter(x=steps, y=values, mode="lines+markers", name=name, legendgroup=name, showlegend=False,
+                       line={"color": color}),
+            row=1, col=2,
+        )  # fmt: skip
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(rangemode="tozero", row=1, col=1)
+    return _layout(fig, "Data mixture", height=380)
+
+
 def build_figures(records: RunRecords, config, floor: float | None) -> dict[str, go.Figure]:
-    """The report's figures by element id, in page order (MoE figures only when the run logged expert counts)."""
+    """The report's figures by element id, in page order (the mixture's only when the run mixed sources, MoE
+    figures only when it logged expert counts)."""
     figures = {
         "fig-loss": loss_figure(records, floor),
         "fig-throughput": throughput_figure(records.train),
         "fig-optimizer": optimizer_figure(records.train),
     }
+    if sources := mixture_sources(records):
+        figures["fig-data-mix"] = mixture_figure(records, sources)
     layers = moe_layers(records.train)
     if layers:
         figures["fig-expert-load"] = heatmap_figure(records.train, layers)
@@ -367,10 +401,10 @@ def render(run_dir: Path) -> str:
     records, config, config_text, problem = load_run(run_dir)
     floor = entropy_floor(config)
     figures = build_figures(records, config, floor)
-    divs = [
-        fig.to_html(full_html=False, include_plotlyjs=n == 0, div_id=name, config={"displaylogo": False})
+    divs = {
+        name: fig.to_html(full_html=False, include_plotlyjs=n == 0, div_id=name, config={"displaylogo": False})
         for n, (name, fig) in enumerate(figures.items())
-    ]
+    }
     ledger = ledger_text(config, world_size(records.train)) if config is not None else f"unavailable: {problem}"
     parts = [
         f"<h1>moe-report: {html.escape(Path(run_dir).resolve().name)}</h1>",
@@ -378,10 +412,12 @@ def render(run_dir: Path) -> str:
         "<h2>Alerts</h2>",
         _alerts_table(records.alerts),
         "<h2>Training curves</h2>",
-        *divs[:3],
+        *(divs[name] for name in ("fig-loss", "fig-throughput", "fig-optimizer")),
     ]
-    if len(divs) > 3:
-        parts += ["<h2>Experts</h2>", *divs[3:]]
+    if "fig-data-mix" in divs:
+        parts += ["<h2>Data mixture</h2>", divs["fig-data-mix"]]
+    if "fig-expert-load" in divs:
+        parts += ["<h2>Experts</h2>", divs["fig-expert-load"], divs["fig-routing"]]
     else:
         parts.append("<p class='note'>No expert statistics in metrics.jsonl (a dense model).</p>")
     parts += [

@@ -50,6 +50,7 @@ from moe_platform.checkpoint.sharded import ShardedState, ShardedStateReader
 from moe_platform.checkpoint.universal import UniversalExpertCopy
 from moe_platform.config import TrainConfig
 from moe_platform.monitor.alerts import RoutingAlerts
+from moe_platform.monitor.data_mix import MixtureWindow
 from moe_platform.monitor.footprint import Footprint
 from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak, predicted_peak_per_rank
@@ -175,6 +176,7 @@ class Trainer:
                 world_size=dp_size,
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
+                total_samples=config.trainer.max_steps * config.data.global_batch_size,
             )
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self._fsdp = config.distributed.strategy == "fsdp"
@@ -202,6 +204,7 @@ class Trainer:
             self.run_dir, asdict(config), config.logging, accelerator.is_main_process, self.state.step
         )
         self.alerts = RoutingAlerts(config.logging, accelerator.is_main_process)
+        self.data_mix = MixtureWindow(self.data.train, config.data.seq_len)  # per-source tokens of a mixture
         self.preemption = PreemptionWatch(config.preemption, self.run_dir, accelerator)
         self.liveness = Liveness(accelerator, self.run_dir, config.distributed.timeout_s)
         self.throughput = Throughput(
@@ -275,13 +278,13 @@ class Trainer:
                 if preempted:
                     break
                 with window.paused():  # tokens/s and FLOP/s count training time only
-                    if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.val is not None:
+                    if trainer.eval_every and self.state.step % trainer.eval_every == 0 and self.data.evaluates:
                         last.update(self._log_eval())
                     if trainer.save_every and self.state.step % trainer.save_every == 0:
                         self.save()
         if preempted:
             return self._stop_for_preemption(last)
-        if self.data.val is not None and not (trainer.eval_every and end_step % trainer.eval_every == 0):
+        if self.data.evaluates and not (trainer.eval_every and end_step % trainer.eval_every == 0):
             last.update(self._log_eval())
         if (trainer.save_final or end_step < trainer.max_steps) and not (
             trainer.save_every and end_step % trainer.save_every == 0
@@ -415,15 +418,28 @@ class Trainer:
         norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
         return float(norm) if norm is not None else float("nan")
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean token loss over the validation pass: its first `data.val.max_batches` global batches, the same
+        """Mean token loss over the validation pass; for a mixture each source's own (`eval/loss/<name>`), and
+        `eval/loss` their mean at the mixture's weights (Σ w_i·loss_i: the loss of the mixture the run trains on)."""
+        metrics = {}
+        if self.data.val_by_source:
+            weights = self.data.train.source_weights()
+            for name, loader in self.data.val_by_source.items():
+                metrics[f"eval/loss/{name}"] = self._eval_loss(loader)
+            loss = math.fsum(weights[name] * metrics[f"eval/loss/{name}"] for name in self.data.val_by_source)
+            loss /= math.fsum(weights[name] for name in self.data.val_by_source)
+        else:
+            loss = self._eval_loss(self.data.val)
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), **metrics}
+
+    @torch.no_grad()
+    def _eval_loss(self, loader) -> float:
+        """Mean token loss over one validation pass: its first `data.val.max_batches` global batches, the same
         samples on any world size."""
-        assert self.data.val is not None
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
-        for batch in self.data.val:
+        for batch in loader:
             logits = self._eval_logits(batch)
             if logits is None:  # a pipeline rank without the last stage: its part is done
                 continue
@@ -432,8 +448,7 @@ class Trainer:
             tokens += labels.numel()
         self.model.train()
         totals = self.accelerator.reduce(torch.stack([loss_sum, tokens]), reduction="sum")
-        loss = float(totals[0] / totals[1])
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+        return float(totals[0] / totals[1])
 
     def _eval_logits(self, batch: dict) -> torch.Tensor | None:
         if self.pipeline is not None:
@@ -488,6 +503,7 @@ class Trainer:
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self.footprint.record())  # what each rank holds, beside the ledger
         record.update(self.peak_memory.record(self.accelerator, self.predicted_peaks))  # once: the measured step's
+        record.update(self.data_mix.record())
         self.sinks.write(record)
         for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
             self.sinks.write(alert)

@@ -3,15 +3,28 @@ same global sequence at any world size, each source read in its own order, and c
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import re
+import time
 
 import numpy as np
 import pytest
+import torch
 
+from data_pipeline import DataConfig, SyntheticConfig, ValConfig, build_loaders, preflight
 from data_pipeline.errors import DataConfigError, DataError
-from data_pipeline.mixture import BlendSchedule, MixedSamples, deviation_bound, normalised_weights
+from data_pipeline.mixture import (
+    BlendSchedule,
+    MixedSamples,
+    MixtureSourceConfig,
+    deviation_bound,
+    normalised_weights,
+)
 from data_pipeline.order import BatchLayout, IndexedSamples
 from data_pipeline.packing import TokenBuffer
+from data_pipeline.prefetch import Prefetched
 
 AWKWARD = {
     "two_uneven": [0.999, 0.001],
@@ -147,3 +160,125 @@ def test_a_source_capped_below_what_the_run_needs_is_refused_with_the_numbers() 
 def test_bad_weights_are_refused_in_one_sentence(weights, match) -> None:
     with pytest.raises(DataConfigError, match=match):
         normalised_weights(["a", "b"], weights)
+
+
+# ---- the mixture as data.source=mixture: loaders, resume, refusals, prefetch ---------------------------------------
+
+
+def synthetic_source(name: str, weight: float, seed: int, num_tokens: int = 30_000, **kwargs) -> MixtureSourceConfig:
+    return MixtureSourceConfig(name=name, weight=weight, synthetic=SyntheticConfig(num_tokens=num_tokens, seed=seed),
+                               **kwargs)  # fmt: skip
+
+
+THREE = [synthetic_source("web", 0.6, 1), synthetic_source("code", 0.25, 2), synthetic_source("math", 0.15, 3)]
+
+
+def mixture_config(sources=THREE, **kwargs) -> DataConfig:
+    defaults = {"seq_len": 31, "global_batch_size": 8, "val": ValConfig(fraction=0.0), "prefetch": 0}
+    return DataConfig(source="mixture", mixture=list(sources), **(defaults | kwargs))
+
+
+def test_the_mixed_batches_are_the_same_at_world_sizes_1_2_4_and_resume_exactly_at_another(global_steps) -> None:
+    config = mixture_config()
+    steps, windows = global_steps(config, 1, 8, 30)
+    for world_size, micro in ((2, 2), (4, 1), (4, 2)):
+        other_steps, other_windows = global_steps(config, world_size, micro, 30)
+        assert other_steps == steps and all(np.array_equal(a, b) for a, b in zip(windows, other_windows, strict=True))
+    train = build_loaders(config, 0, 1).train
+    batches = iter(train)
+    for _ in range(17):  # mid-epoch of every source, and a micro-batch into step 18 that must not count
+        next(batches)
+    state = json.loads(json.dumps(train.state_dict()))  # as a checkpoint holds it
+    assert state["samples_consumed"] == 17 * 8 and sum(state["mixture"]["consumed"].values()) == 17 * 8
+    resumed_steps, resumed_windows = global_steps(config, 2, 2, 13, state=state)
+    assert resumed_steps == steps[17:]
+    assert all(np.array_equal(a, b) for a, b in zip(windows[17:], resumed_windows, strict=True))
+
+
+def test_the_share_of_each_source_in_every_prefix_is_within_the_bound() -> None:
+    train = build_loaders(mixture_config(), 0, 1).train
+    batches = iter(train)
+    for step in range(1, 60):
+        next(batches)
+        counts, n = train.source_counts(), step * 8
+        assert all(abs(counts[name] - weight * n) <= deviation_bound(3) + 1e-9
+                   for name, weight in train.source_weights().items())  # fmt: skip
+
+
+def test_a_changed_mixture_is_refused_unless_allowed_and_then_continues_from_the_consumed_counts(caplog) -> None:
+    train = build_loaders(mixture_config(), 0, 1).train
+    batches = iter(train)
+    for _ in range(10):
+        next(batches)
+    state = train.state_dict()
+    reweighted = [synthetic_source("web", 0.5, 1), synthetic_source("code", 0.25, 2), synthetic_source("math", 0.25, 3)]
+    other_data = [*THREE[:2], synthetic_source("math", 0.15, 4)]
+    changes = [
+        (reweighted, "weight of 'web' 0.6 -> 0.5; weight of 'math' 0.15 -> 0.25)"),
+        (other_data, "data of 'math' changed)"),
+        (THREE[:2], "source 'math' removed; weight of 'web' 0.6 -> 0.705882"),  # the weights renormalised
+    ]
+    for sources, change in changes:
+        with pytest.raises(DataError, match=re.escape(f"data.mixture differs from the checkpoint's ({change}")):
+            build_loaders(mixture_config(sources), 0, 1).train.load_state_dict(state)
+    allowed = build_loaders(mixture_config(reweighted, allow_changed_mixture=True), 0, 1).train
+    with caplog.at_level(logging.WARNING, logger="data_pipeline.loader"):
+        allowed.load_state_dict(state)
+    assert "weight of 'web' 0.6 -> 0.5" in caplog.text
+    batches = iter(allowed)
+    for _ in range(10):
+        next(batches)
+    consumed, before = allowed.source_counts(), state["mixture"]["consumed"]
+    assert {name: consumed[name] - before[name] for name in consumed} == {"web": 40, "code": 20, "math": 20}
+
+
+def test_bad_mixtures_are_refused_in_one_sentence() -> None:
+    refusals = [
+        (dict(sources=[synthetic_source("web", 0.0, 1), synthetic_source("code", 0.0, 2)]), "do not sum to a positive"),
+        (dict(sources=[synthetic_source("web", 1, 1), synthetic_source("web", 1, 2)]), "names source 'web' twice"),
+        (dict(sources=[MixtureSourceConfig(name="web", weight=1)]), "sets none of path, synthetic, hf"),
+        (dict(sources=[synthetic_source("a b", 1, 1)]), "data.mixture[0].name='a b' must be"),
+        (dict(sources=[]), "data.source=mixture needs data.mixture"),
+        (dict(sources=[synthetic_source("web", 1, 1, max_epochs=0)]), "max_epochs=0 must be > 0"),
+    ]
+    for kwargs, match in refusals:
+        with pytest.raises(DataConfigError, match=re.escape(match)):
+            mixture_config(**kwargs)
+    with pytest.raises(DataConfigError, match=r"data\.mixture is set but data\.source='synthetic'"):
+        DataConfig(mixture=list(THREE))
+    other_vocab = [
+        THREE[0],
+        MixtureSourceConfig(name="big", weight=1, synthetic=SyntheticConfig(num_domains=8, num_tokens=30_000)),
+    ]
+    with pytest.raises(DataError, match="source 'big' has a vocabulary of 514 with EOS 512, source 'web' 258 with EOS"):
+        build_loaders(mixture_config(other_vocab), 0, 1)
+    capped = [synthetic_source("web", 0.9, 1, max_epochs=1.0), synthetic_source("code", 0.1, 2)]
+    with pytest.raises(
+        DataError, match=r"source 'web' would give 1800 samples to 2000 global samples, \d\.\d\d epochs"
+    ):
+        preflight(mixture_config(capped), 1024, total_samples=2000)
+
+
+def test_prefetch_gives_the_same_batches_and_a_prefetched_batch_is_not_consumed() -> None:
+    plain = iter(build_loaders(mixture_config(prefetch=0), 0, 2, 2).train)
+    expected = [next(plain) for _ in range(12)]
+    train = build_loaders(mixture_config(prefetch=3), 0, 2, 2).train
+    batches = iter(train)
+    got = [next(batches) for _ in range(5)]
+    time.sleep(0.05)  # the thread has run ahead by now
+    assert train.samples_consumed == 2 * 8, "two whole steps taken; the prefetched ones do not count"
+    got += [next(batches) for _ in range(7)]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(expected, got, strict=True) for k in a)
+    assert train.samples_consumed == 6 * 8
+
+
+def test_an_error_while_prefetching_is_raised_at_the_batch_it_belongs_to() -> None:
+    def items():
+        yield 1
+        yield 2
+        raise DataError("bad row 3")
+
+    prefetched = Prefetched(items(), depth=2)
+    assert [next(prefetched), next(prefetched)] == [1, 2]
+    with pytest.raises(DataError, match="bad row 3"):
+        next(prefetched)
