@@ -338,11 +338,12 @@ def read_header(path: str, key: str = "data.tokenized.path") -> Header:
 
 
 def _memmap(path: str, dtype: np.dtype) -> np.ndarray:
-    """A read-only memory map of the whole file; an empty file (a shard without documents) is an empty array, since
-    mmap refuses a length of 0."""
+    """A read-only memory map of the whole file, as a plain ndarray over the mapping: np.memmap's own slicing runs
+    Python code on every slice, and a window read slices once per chunk. An empty file (a shard without documents)
+    is an empty array, since mmap refuses a length of 0."""
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+    return np.memmap(path, dtype=dtype, mode="r").view(np.ndarray)  # the view's base keeps the mapping open
 
 
 def _runs(keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
