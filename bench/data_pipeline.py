@@ -5,6 +5,10 @@ Measured, in one process, with a fresh datasets cache:
   jsonl       a generated corpus of >= 50 MB: load (jsonl -> Arrow), tokenize + pack (datasets.map,
               num_proc), batch; byte-level, and a BPE tokenizer trained here on a 5 MB sample
   streaming   the same corpus streamed: tokenize + pack + batch on the fly (what every rank does)
+  prepare     `moe-data prepare` of the same corpus (data_pipeline.prepare, from the warm datasets cache: tokenize,
+              write and hash the shards) with 1 and 2 workers, --repeats times each into a fresh directory
+  tokenized   the loader on those shards (data.source=tokenized, val fraction 0.01): build, then micro-batches,
+              --repeats times; the prepare and tokenized rows give the median [min-max] over the repeats
   model       the real trainer: `moe-train` with its defaults (conf/model/moe_tiny.yaml on
               conf/data/synthetic.yaml) at the pipeline rows' shape (data.seq_len = --seq-len,
               data.global_batch_size = --global-batch), tokens/s between its log records' time stamps after
@@ -12,6 +16,7 @@ Measured, in one process, with a fresh datasets cache:
 
     .venv/bin/python bench/data_pipeline.py                 # 50 MB corpus, everything
     .venv/bin/python bench/data_pipeline.py --mb 10 --no-bpe --no-model
+    .venv/bin/python bench/data_pipeline.py --mb 10 --no-model --repeats 3 --rows-per-shard 1024
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -39,9 +45,11 @@ from data_pipeline import (  # noqa: E402
     DataConfig,
     HFSourceConfig,
     SyntheticConfig,
+    TokenizedConfig,
     TokenizerConfig,
     ValConfig,
     build_loaders,
+    prepare,
 )
 
 BATCH_SECONDS = 3.0  # how long to iterate micro-batches for the batching rate
@@ -146,6 +154,54 @@ def bench_streaming(corpus: Path, cache: Path, seq_len: int, global_batch: int, 
     return {"name": f"jsonl streaming, {name}", "batch_tok_s": batch_rate(loaders.train, seq_len, seconds=8.0)}
 
 
+def spread(values: list[float]) -> str:
+    """median [min-max] of rates, in millions."""
+    return f"{statistics.median(values) / 1e6:.2f}M [{min(values) / 1e6:.2f}-{max(values) / 1e6:.2f}M]"
+
+
+def bench_prepare(corpus: Path, work: Path, tokenizer: dict, workers: int, repeats: int, rows_per_shard: int):
+    """`moe-data prepare`'s tokens/s: the source already in the datasets cache (as on any run after the first), each
+    repeat into a fresh directory. Returns the row and the last directory written."""
+    from data_pipeline.hf_source import load_split
+
+    hf = HFSourceConfig(path="json", data_files=[str(corpus)], cache_dir=str(work / "cache_prepare"))
+    load_split(hf, hf.split, hf.data_files)  # jsonl -> Arrow once, outside the timing
+    rates, out = [], None
+    for repeat in range(repeats):
+        out = work / f"shards_{workers}_{repeat}"
+        start = time.perf_counter()
+        result = prepare(hf, TokenizerConfig(**tokenizer), str(out), workers, rows_per_shard=rows_per_shard,
+                         progress=False)  # fmt: skip
+        rates.append(result.header.num_tokens / (time.perf_counter() - start))
+        if repeat:
+            shutil.rmtree(work / f"shards_{workers}_{repeat - 1}")
+    header = result.header
+    name = "byte-level" if not tokenizer else f"BPE vocab {header.vocab_size}"
+    return {
+        "name": f"moe-data prepare, {name}, workers={workers}",
+        "prepare_tok_s": statistics.median(rates),
+        "detail": f"{spread(rates)} tok/s over {repeats} repeat(s); {header.num_tokens / 1e6:.1f}M tokens in "
+        f"{len(header.shards)} shards of {rows_per_shard} rows ({header.dtype})",
+    }, out
+
+
+def bench_tokenized(shards: Path, seq_len: int, global_batch: int, repeats: int, name: str) -> dict:
+    config = DataConfig(source="tokenized", tokenized=TokenizedConfig(path=str(shards)), seq_len=seq_len,
+                        global_batch_size=global_batch, val=ValConfig(fraction=0.01))  # fmt: skip
+    builds, rates = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loaders = build_loaders(config)  # header, sizes and sha256 of every shard file, memory maps, holdout carving
+        builds.append(time.perf_counter() - start)
+        rates.append(batch_rate(loaders.train, seq_len))
+    return {
+        "name": f"tokenized shards, {name}",
+        "batch_tok_s": statistics.median(rates),
+        "detail": f"batches {spread(rates)} tok/s over {repeats} repeat(s); build (verify=true) "
+        f"{statistics.median(builds):.2f} s median",
+    }
+
+
 def train_bpe(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_mb: float = 5.0) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -209,6 +265,8 @@ def main() -> None:
     parser.add_argument("--synthetic-tokens", type=int, default=10_000_000)
     parser.add_argument("--no-bpe", action="store_true", help="skip the BPE tokenizer runs")
     parser.add_argument("--no-model", action="store_true", help="skip the model-step measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of the prepare and tokenized rows")
+    parser.add_argument("--rows-per-shard", type=int, default=4096, help="prepare's shard size (documents)")
     parser.add_argument("--dir", type=Path, default=None, help="work dir (default: a temp dir, removed after)")
     args = parser.parse_args()
 
@@ -225,6 +283,14 @@ def main() -> None:
             cache = work / f"cache{i}"
             results.append(bench_jsonl(corpus, cache, args.seq_len, args.global_batch, args.num_proc, tokenizer))
             results.append(bench_streaming(corpus, cache, args.seq_len, args.global_batch, tokenizer))
+            for workers in (1, 2):
+                row, shards = bench_prepare(corpus, work, tokenizer, workers, args.repeats, args.rows_per_shard)
+                results.append(row)
+            name = row["name"].split(", ")[1]
+            results.append(bench_tokenized(shards, args.seq_len, args.global_batch, args.repeats, name))
+            shutil.rmtree(work / "cache_prepare", ignore_errors=True)
+            for stale in work.glob("shards_*"):
+                shutil.rmtree(stale)
         model = None
         if not args.no_model:
             try:
@@ -243,14 +309,15 @@ def main() -> None:
     print(f"\n{'':58s} {'prepare tok/s':>14s} {'batch tok/s':>14s}")
     for r in results:
         prepare = f"{r['prepare_tok_s']:14,.0f}" if "prepare_tok_s" in r else f"{'-':>14s}"
-        print(f"{r['name']:58s} {prepare} {r['batch_tok_s']:14,.0f}")
+        batch = f"{r['batch_tok_s']:14,.0f}" if "batch_tok_s" in r else f"{'-':>14s}"
+        print(f"{r['name']:58s} {prepare} {batch}")
         if "detail" in r:
             print(f"{'':4s}{r['detail']}")
     if model is not None:
         print(f"{model['name']:58s} {'-':>14s} {model['batch_tok_s']:14,.0f}")
         print("\npipeline / model consumption (goal >= 20x):")
         for r in results:
-            rate = min(r["batch_tok_s"], r.get("prepare_tok_s", float("inf")))
+            rate = min(r.get("batch_tok_s", float("inf")), r.get("prepare_tok_s", float("inf")))
             print(f"  {r['name']:56s} {rate / model['batch_tok_s']:8.0f}x")
         print(
             "  (prepare = one-time generation or tokenization+packing; batch = steady-state micro-batches; "
