@@ -5,11 +5,13 @@ import json
 import subprocess
 
 import numpy as np
+import pytest
 
 from data_pipeline import TokenizedCorpus
 from moe_platform.testing import BIN, subprocess_env
 
 
+@pytest.mark.slow  # two processes, each seconds of imports
 def test_moe_data_prepares_shards_and_refuses_bad_input_in_one_line(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
