@@ -128,6 +128,7 @@ def prepare(
     if done is not None:  # the same input, complete: a no-op, decided without loading a local source
         return Prepared(out, done, 0, 0, 0, time.monotonic() - start_time, workers)
     dataset = dataset if dataset is not None else _load(hf, where)
+    os.makedirs(out, exist_ok=True)
 
     job = _Job(dataset, tok, hf.text_field, hf.map_batch_size, out, token_dtype(tok.vocab_size), input_key)
     num_rows = len(dataset)
@@ -186,11 +187,13 @@ def _input_key(source: dict, tokenizer: Tokenizer, text_field: str, rows_per_sha
 
 
 def _claim(out: str, input_key: str, overwrite: bool) -> Optional[Header]:
-    """The header when ``out`` already holds this input complete (and ``overwrite`` is not asked); otherwise ``out``
-    made ready to write into: created, another input's files removed with ``overwrite``, refused without it."""
+    """The header when ``out`` already holds this input complete (and ``overwrite`` is not asked); otherwise None,
+    with another input's files removed (``overwrite``) or refused. A missing ``out`` is made only once the source has
+    loaded, so that a source that cannot be read leaves nothing behind."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise DataError(f"--out {out!r} is a file, not a directory: give a directory to write the shards into")
-    os.makedirs(out, exist_ok=True)
+    if not os.path.isdir(out):
+        return None
     if overwrite:
         _remove_shards(out)
         return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -223,3 +224,20 @@ def test_bad_shards_are_one_sentence_naming_the_path(case, tmp_path, prepared, t
         )
     else:
         assert str(before_any_process_group.value) == message
+
+
+def test_a_bad_row_in_a_worker_names_its_file_and_row_and_an_unreadable_source_leaves_nothing(tmp_path):
+    from data_pipeline import HFSourceConfig
+
+    good = tmp_path / "a.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(150)))
+    rows = [json.dumps({"text": f"document {i}"} if i != 120 else {"text": None}) for i in range(200)]
+    (tmp_path / "b.jsonl").write_text("\n".join(rows) + "\n")
+    hf = HFSourceConfig(path="json", data_files=[str(good), str(tmp_path / "b.jsonl")], cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'b.jsonl'}, row 120 (0-based): text field 'text' is")):
+        prepare(hf, TokenizerConfig(), str(tmp_path / "shards"), 2, rows_per_shard=100, progress=False)
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": "unclosed\n')
+    hf = HFSourceConfig(path="json", data_files=[str(tmp_path / "b.jsonl")], cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'b.jsonl'}: line 2: not valid JSON")):
+        prepare(hf, TokenizerConfig(), str(tmp_path / "unread"), progress=False)
+    assert not (tmp_path / "unread").exists()
