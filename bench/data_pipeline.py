@@ -9,10 +9,15 @@ Measured, in one process, with a fresh datasets cache:
               write and hash the shards) with 1 and 2 workers, --repeats times each into a fresh directory
   tokenized   the loader on those shards (data.source=tokenized, val fraction 0.01): build, then micro-batches,
               --repeats times; the prepare and tokenized rows give the median [min-max] over the repeats
+  mixture     three sources (60/30/10) over those shards, data.source=mixture: build, then micro-batches
+  wait        the real trainer (moe_tiny at the rows' shape, 24 steps) on the shards, the mixture and the hf stream,
+              with data.prefetch=0 and 2, interleaved: `data_wait_frac`, its seconds in the loader's next() over
+              its training seconds (goal with prefetch: <= 1%)
   model       the real trainer: `moe-train` with its defaults (conf/model/moe_tiny.yaml on
               conf/data/synthetic.yaml) at the pipeline rows' shape (data.seq_len = --seq-len,
               data.global_batch_size = --global-batch), tokens/s between its log records' time stamps after
-              warm-up: the trainer's consumption. The goal is pipeline >= 20x this.
+              warm-up: the trainer's consumption. The goal is pipeline >= 20x this, and >= 50x for
+              tokenized shards.
 
     .venv/bin/python bench/data_pipeline.py                 # 50 MB corpus, everything
     .venv/bin/python bench/data_pipeline.py --mb 10 --no-bpe --no-model
@@ -51,6 +56,7 @@ from data_pipeline import (  # noqa: E402
     build_loaders,
     prepare,
 )
+from data_pipeline.mixture import MixtureSourceConfig  # noqa: E402
 
 BATCH_SECONDS = 3.0  # how long to iterate micro-batches for the batching rate
 
@@ -202,6 +208,58 @@ def bench_tokenized(shards: Path, seq_len: int, global_batch: int, repeats: int,
     }
 
 
+MIXTURE_WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
+
+
+def mixture_sources(shards: Path) -> list[MixtureSourceConfig]:
+    """Three sources over the same prepared shards (each reads its own permutation), weighted 60/30/10."""
+    return [MixtureSourceConfig(name=name, weight=w, path=str(shards)) for name, w in MIXTURE_WEIGHTS.items()]
+
+
+def bench_mixture(shards: Path, seq_len: int, global_batch: int, repeats: int, name: str) -> dict:
+    config = DataConfig(source="mixture", mixture=mixture_sources(shards), seq_len=seq_len,
+                        global_batch_size=global_batch, val=ValConfig(fraction=0.01))  # fmt: skip
+    rates = [batch_rate(build_loaders(config).train, seq_len) for _ in range(repeats)]
+    return {
+        "name": f"3-source mixture of tokenized shards, {name}",
+        "batch_tok_s": statistics.median(rates),
+        "detail": f"batches {spread(rates)} tok/s over {repeats} repeat(s), prefetch off",
+    }
+
+
+def bench_data_wait(sources: dict[str, list[str]], seq_len: int, global_batch: int, repeats: int) -> list[dict]:
+    """The share of training time the real trainer waits for its batches (`data_wait_frac`, monitor/data_mix.py)
+    with data.prefetch=0 and 2, runs interleaved: the records after the first window (warm-up), median [min-max]
+    over the repeats of each run's mean."""
+    import subprocess
+
+    fractions: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for name, overrides in sources.items():
+            for prefetch in (0, 2):
+                with tempfile.TemporaryDirectory() as run_dir:
+                    command = [
+                        str(Path(sys.executable).parent / "moe-train"), f"hydra.run.dir={run_dir}", *overrides,
+                        f"data.seq_len={seq_len}", f"data.global_batch_size={global_batch}",
+                        f"data.prefetch={prefetch}",
+                        "trainer.max_steps=24", "trainer.log_every=4", "trainer.eval_every=0",
+                        "trainer.save_final=false", "logging.progress_bar=false", "logging.peak_memory=false",
+                    ]  # fmt: skip
+                    subprocess.run(command, check=True, capture_output=True, text=True)
+                    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+                waits = [r["data_wait_frac"] for r in map(json.loads, lines) if "data_wait_frac" in r][1:]
+                fractions.setdefault((name, prefetch), []).append(statistics.mean(waits))
+    rows = []
+    for (name, prefetch), values in fractions.items():
+        rows.append({
+            "name": f"trainer waits for data, {name}, data.prefetch={prefetch}",
+            "wait": values,
+            "detail": f"{100 * statistics.median(values):.3f}% of step time [{100 * min(values):.3f}-"
+            f"{100 * max(values):.3f}%] over {repeats} repeat(s) (moe_tiny, 24 steps)",
+        })  # fmt: skip
+    return rows
+
+
 def train_bpe(corpus: Path, out_dir: Path, vocab_size: int = 8192, sample_mb: float = 5.0) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -288,6 +346,19 @@ def main() -> None:
                 results.append(row)
             name = row["name"].split(", ")[1]
             results.append(bench_tokenized(shards, args.seq_len, args.global_batch, args.repeats, name))
+            results.append(bench_mixture(shards, args.seq_len, args.global_batch, args.repeats, name))
+            if i == 0 and not args.no_model:
+                kept = work / "shards_wait"
+                shutil.copytree(shards, kept, dirs_exist_ok=True)
+                mixture = ",".join(f"{{name: {n}, weight: {w}, path: {kept}}}" for n, w in MIXTURE_WEIGHTS.items())
+                streamed = ["data=hf_local", f"data.hf.data_files=[{corpus}]", "data.hf.streaming=true",
+                            f"data.hf.cache_dir={work / 'cache_wait'}"]  # fmt: skip
+                waits = {
+                    "tokenized shards": ["data=tokenized", f"data.tokenized.path={kept}"],
+                    "3-source mixture": ["data=mixture", f"data.mixture=[{mixture}]"],
+                    "hf streaming (tokenized on the fly)": streamed,
+                }
+                results.extend(bench_data_wait(waits, args.seq_len, args.global_batch, args.repeats))
             shutil.rmtree(work / "cache_prepare", ignore_errors=True)
             for stale in work.glob("shards_*"):
                 shutil.rmtree(stale)
@@ -317,6 +388,8 @@ def main() -> None:
         print(f"{model['name']:58s} {'-':>14s} {model['batch_tok_s']:14,.0f}")
         print("\npipeline / model consumption (goal >= 20x):")
         for r in results:
+            if "wait" in r:
+                continue
             rate = min(r.get("batch_tok_s", float("inf")), r.get("prepare_tok_s", float("inf")))
             print(f"  {r['name']:56s} {rate / model['batch_tok_s']:8.0f}x")
         print(

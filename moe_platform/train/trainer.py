@@ -50,7 +50,7 @@ from moe_platform.checkpoint.sharded import ShardedState, ShardedStateReader
 from moe_platform.checkpoint.universal import UniversalExpertCopy
 from moe_platform.config import TrainConfig
 from moe_platform.monitor.alerts import RoutingAlerts
-from moe_platform.monitor.data_mix import MixtureWindow
+from moe_platform.monitor.data_mix import MixtureWindow, TimedBatches
 from moe_platform.monitor.footprint import Footprint
 from moe_platform.monitor.metrics import MetricSinks, reduce_moe_stats
 from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak, predicted_peak_per_rank
@@ -260,7 +260,7 @@ class Trainer:
         self._print_start()
         trainer = self.config.trainer
         end_step = trainer.stop_at or trainer.max_steps
-        train_batches = iter(self.data.train)
+        train_batches = self.train_batches = TimedBatches(iter(self.data.train))  # the wait is logged (data_mix.py)
         last, preempted = {}, False
         with Progress(trainer.max_steps, self.state.step, enabled=self._show_progress()) as progress:
             window = LogWindow()
@@ -504,6 +504,7 @@ class Trainer:
             record.update(self.footprint.record())  # what each rank holds, beside the ledger
         record.update(self.peak_memory.record(self.accelerator, self.predicted_peaks))  # once: the measured step's
         record.update(self.data_mix.record())
+        record.update(self.train_batches.record(window.elapsed()))
         self.sinks.write(record)
         for alert in self.alerts.check(record):  # router collapse, drops, dead experts held for M logs
             self.sinks.write(alert)

@@ -36,6 +36,7 @@ def test_a_mixture_logs_each_source_resumes_bit_for_bit_and_refuses_a_changed_mi
             assert record[f"data/weight/{name}"] == pytest.approx(weight)
             assert abs(record[f"data/share/{name}"] - weight) <= bound + 1e-9
         assert record["data/tokens/web"] + record["data/tokens/code"] == BATCH * 32  # FAST's data.seq_len
+        assert 0 <= record["data_wait_frac"] < 1  # the loop's wait for batches over its training time
     for record in evals.values():
         expected = 0.6 * record["eval/loss/web"] + 0.4 * record["eval/loss/code"]
         assert record["eval/loss"] == pytest.approx(expected, rel=1e-12), "eval/loss: the mean at the weights"
