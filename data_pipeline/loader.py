@@ -570,6 +570,9 @@ def _mixture_loaders(
     """Each source built as a source of its own (its samples, its held-out part, this rank's layouts), blended by
     the mixture's schedule (``mixture``); every source must speak the same token ids."""
     names = [source.name for source in config.mixture]
+    for index, source in enumerate(config.mixture):
+        if source.kind == "tokenized":  # its errors name the mixture's key, not data.tokenized.path
+            TokenizedCorpus.open(source.path, verify=False, key=f"data.mixture[{index}].path")
     built = [
         build_loaders(_source_config(config, source), layout.rank, layout.world_size, layout.micro_batch_size,
                       model_vocab_size=model_vocab_size)

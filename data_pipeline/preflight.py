@@ -100,7 +100,9 @@ def _check_mixture(
     """Each source as a source of its own, then the caps: a capped source's size is read from its shards' index or
     drawn (synthetic) now; an hf source's is known once tokenized (build_loaders checks it then)."""
     names = [source.name for source in config.mixture]
-    for source in config.mixture:
+    for index, source in enumerate(config.mixture):
+        if source.kind == "tokenized":  # its errors name the mixture's key, not data.tokenized.path
+            TokenizedCorpus.open(source.path, verify=False, key=f"data.mixture[{index}].path")
         preflight(_source_config(config, source), model_vocab_size, world_size, micro_batch_size)
     caps, sizes = [], []
     for source in config.mixture:

@@ -393,7 +393,36 @@ CONFIG_CASES = [
         "unknown_data_source",
         ["data.source=web"],
         "data.source='web'",
-        "must be one of ('synthetic', 'hf', 'tokenized')",
+        "must be one of ('synthetic', 'hf', 'tokenized', 'mixture')",
+    ),
+    config(
+        "mixture_weights_summing_to_zero",
+        ["data=mixture", "data.mixture=[{name: web, weight: 0, synthetic: {}}, {name: b, weight: 0, synthetic: {}}]"],
+        "data.mixture weights [0.0, 0.0] do not sum to a positive number",
+        "give a source a weight > 0",
+    ),
+    config(
+        "mixture_source_missing",
+        ["data=mixture", "data.mixture=[{name: web, weight: 1, path: no/such/shards}]"],
+        "data.mixture[0].path='no/such/shards' does not exist",
+        "moe-data prepare",
+        kind="data",
+    ),
+    config(
+        "mixture_source_past_its_cap",
+        [
+            "data=mixture",
+            "data.seq_len=32",
+            "data.global_batch_size=8",
+            "trainer.micro_batch_size=2",
+            "trainer.max_steps=400",
+            "data.val.fraction=0",
+            "data.mixture=[{name: web, weight: 0.9, max_epochs: 1, synthetic: {num_tokens: 65536}},"
+            " {name: code, weight: 0.1, synthetic: {num_tokens: 65536, seed: 2}}]",
+        ],
+        "source 'web' would give 2880 samples to 3200 global samples",
+        "past its max_epochs=1.0: lower its weight or trainer.max_steps",
+        kind="data",
     ),
     config("synthetic_with_a_tokenizer", ["data.tokenizer.name_or_path=gpt2"], "data.tokenizer is unused", "remove it"),
     config(
