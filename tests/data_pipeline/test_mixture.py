@@ -282,3 +282,31 @@ def test_an_error_while_prefetching_is_raised_at_the_batch_it_belongs_to() -> No
     assert [next(prefetched), next(prefetched)] == [1, 2]
     with pytest.raises(DataError, match="bad row 3"):
         next(prefetched)
+
+
+def test_a_mixture_of_prepared_corpora_blends_them_and_refuses_a_re_prepared_one(
+    tmp_path, corpus, global_steps
+) -> None:
+    """Two prepared directories (each half of the corpus) as sources: the same blend at 1 and 2 ranks; preparing
+    one again from other files changes its data fingerprint, which the resume refuses."""
+    from data_pipeline import HFSourceConfig, TokenizerConfig, prepare
+
+    def prepared(name: str, files: list[str], overwrite: bool = False) -> str:
+        hf = HFSourceConfig(path="json", data_files=files, cache_dir=corpus["cache_dir"])
+        prepare(hf, TokenizerConfig(), str(tmp_path / name), 1, progress=False, overwrite=overwrite)
+        return str(tmp_path / name)
+
+    first, second = corpus["files"]
+    sources = [MixtureSourceConfig(name="a", weight=0.7, path=prepared("a", [first])),
+               MixtureSourceConfig(name="b", weight=0.3, path=prepared("b", [second]))]  # fmt: skip
+    config = mixture_config(sources)
+    steps, _ = global_steps(config, 1, 8, 12)
+    assert global_steps(config, 2, 4, 12)[0] == steps
+    train = build_loaders(config, 0, 1).train
+    batches = iter(train)
+    for _ in range(5):
+        next(batches)
+    state = train.state_dict()
+    prepared("b", [first], overwrite=True)
+    with pytest.raises(DataError, match=re.escape("(data of 'b' changed)")):
+        build_loaders(config, 0, 1).train.load_state_dict(state)
