@@ -129,6 +129,10 @@ class BlendSchedule:
         self._sources = np.zeros(0, dtype=np.int16)
         self._next_counts = list(counts)  # c at base + len(self._sources)
 
+    @property
+    def origin(self) -> int:
+        return self._origin
+
     def resume_at(self, position: int, counts: Sequence[int]) -> None:
         """Continue from `position`, where each source had given `counts` samples since the origin: the positions
         from there on are those the schedule gives from the origin (the choice depends on (t, c(t)) alone)."""
@@ -140,7 +144,7 @@ class BlendSchedule:
         """Eligible sources' earliest deadline; t counts from the origin."""
         best, best_deadline = -1, math.inf
         for i, (w, c) in enumerate(zip(self.weights, counts, strict=True)):
-            if w * (t + 1) - c >= self._delta:
+            if w > 0 and w * (t + 1) - c >= self._delta:
                 deadline = (c + 1 - self._delta) / w
                 if deadline < best_deadline:
                     best, best_deadline = i, deadline
@@ -259,7 +263,7 @@ class MixedSamples:
 
     @property
     def origin(self) -> int:
-        return self.schedule._origin
+        return self.schedule.origin
 
     def consumed(self, position: int) -> dict[str, int]:
         """Samples each source has given to the global positions [0, position)."""

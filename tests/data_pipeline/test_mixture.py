@@ -34,6 +34,7 @@ AWKWARD = {
     # Megatron's greatest-sampling-error rule drifts 1.05 samples from weight × n on this one
     "five_tiny": [0.01559758, 0.00080782, 0.00075924, 0.40731903, 0.57551633],
     "with_a_zero": [0.5, 0.0, 0.3, 0.2],
+    "one_drawn_one_zero": [0.0, 1.0],
 }
 
 
