@@ -26,7 +26,9 @@ from moe_platform.testing import (
 )
 
 pytestmark = pytest.mark.slow
-STEPS, SAVE_EVERY, KILLS = 12, 2, 10
+# The DDP chain kills once at every kind of point (from outside, the 3 in a save, the 3 in a step); three more kills
+# drawn at random cost a 2-rank start each (~12 s under CI's load) and found nothing the seven do not.
+STEPS, SAVE_EVERY, KILLS = 12, 2, 7
 RUN = [
     f"trainer.max_steps={STEPS}",
     f"trainer.save_every={SAVE_EVERY}",
