@@ -27,7 +27,7 @@ from moe_platform.testing import (
 
 pytestmark = pytest.mark.slow
 # The DDP chain kills once at every kind of point (from outside, the 3 in a save, the 3 in a step); three more kills
-# drawn at random cost a 2-rank start each (~12 s under CI's load) and found nothing the seven do not.
+# drawn at random would cost a 2-rank start each (~12 s under CI's load) and add no kind of point the seven lack.
 STEPS, SAVE_EVERY, KILLS = 12, 2, 7
 RUN = [
     f"trainer.max_steps={STEPS}",
