@@ -37,8 +37,16 @@ MODELS = [
 ]
 
 
+def same_logits(a: torch.Tensor, b: torch.Tensor, moe: bool) -> bool:
+    """Bit for bit for dense models. In an MoE model the changed tokens route elsewhere, so each expert's GEMM
+    multiplies another number of rows, and BLAS may block a row's dot products by that number: other documents'
+    logits then differ in the last bits (seen in float64 on an AMD EPYC, ~1e-16 relative), while a leak moves them
+    by ~1e-2."""
+    return torch.equal(a, b) if not moe else torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize(("pos_encoding", "moe", "attention"), MODELS)
-def test_changing_one_document_leaves_every_other_documents_logits_bit_for_bit(
+def test_changing_one_document_leaves_every_other_documents_logits_unchanged(
     pos_encoding: str, moe: bool, attention: str
 ) -> None:
     model = tiny_model(pos_encoding, moe, attention)
@@ -50,12 +58,13 @@ def test_changing_one_document_leaves_every_other_documents_logits_bit_for_bit(
         changed = model(changed_BT, document_ids_BT=DOCUMENTS_BT).logits
         other_BT = torch.ones_like(ids_BT, dtype=torch.bool)
         other_BT[row, start:end] = False
-        assert torch.equal(changed[other_BT], logits[other_BT]), f"document [{start}, {end}) of row {row} leaked"
+        assert same_logits(changed[other_BT], logits[other_BT], moe), f"document [{start}, {end}) of row {row} leaked"
         assert not torch.equal(changed[row, start:end], logits[row, start:end])
         # Causal within the document: changing its last token changes none of its earlier logits.
         last_BT = ids_BT.clone()
         last_BT[row, end - 1] = (last_BT[row, end - 1] + 1) % 50
-        assert torch.equal(model(last_BT, document_ids_BT=DOCUMENTS_BT).logits[row, : end - 1], logits[row, : end - 1])
+        earlier = model(last_BT, document_ids_BT=DOCUMENTS_BT).logits[row, : end - 1]
+        assert same_logits(earlier, logits[row, : end - 1], moe)
 
 
 @pytest.mark.parametrize(("pos_encoding", "moe", "attention"), MODELS)
