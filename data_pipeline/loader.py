@@ -189,14 +189,20 @@ class TrainLoader:
     """Endless iterator over this rank's micro-batches, ``accumulation_steps`` per global step."""
 
     def __init__(
-        self, samples: SampleSequence, layout: BatchLayout, seed: int, eos_id: Optional[int] = None, prefetch: int = 0
+        self,
+        samples: SampleSequence,
+        layout: BatchLayout,
+        seed: int,
+        eos_id: Optional[int] = None,
+        prefetch: int = 0,
+        allow_changed_mixture: bool = False,
     ):
         self.samples = samples
         self.layout = layout
         self.seed = seed
         self.eos_id = eos_id  # set: batches carry document_ids (data.document_mask)
         self.prefetch = prefetch  # micro-batches built ahead in a thread (data.prefetch; 0: none)
-        self.allow_changed_mixture = False  # data.allow_changed_mixture (a mixture's resume)
+        self.allow_changed_mixture = allow_changed_mixture  # data.allow_changed_mixture (a mixture's resume)
         self._prefetched: Optional[Prefetched] = None
         self._start = 0  # global samples consumed when the current iterator began
         self._yielded = 0  # micro-batches yielded by the current iterator
@@ -245,9 +251,7 @@ class TrainLoader:
 
     def source_weights(self) -> dict[str, float]:
         """A mixture's normalised weights by source name (empty for a single source)."""
-        if not isinstance(self.samples, MixedSamples):
-            return {}
-        return dict(zip(self.samples.names, self.samples.schedule.weights, strict=True))
+        return self.samples.weights if isinstance(self.samples, MixedSamples) else {}
 
     def state_dict(self) -> dict:
         state = {"samples_consumed": self.samples_consumed, "seed": self.seed, "num_samples": self.num_samples}
@@ -277,7 +281,7 @@ class TrainLoader:
         position = int(state["samples_consumed"])
         if mixed:
             for change in self.samples.resume(position, state["mixture"], self.allow_changed_mixture):
-                log.warning("data.allow_changed_mixture: %s; the new mixture continues from step's sample %d",
+                log.warning("data.allow_changed_mixture: %s; the new mixture continues from global sample %d",
                             change, position)  # fmt: skip
         self._start, self._yielded = position, 0
 
@@ -412,19 +416,12 @@ def _synthetic_loaders(config: DataConfig, layout: BatchLayout, val_layout: Batc
     tokens, doc_lengths = language.sample(config.synthetic.num_tokens)
     held_out = holdout_mask_from_index(np.arange(len(doc_lengths)), config.val.holdout_fraction)
     held_out_tokens = np.repeat(held_out, doc_lengths)
-    width = config.seq_len + 1
-    where = "synthetic corpus"
-    eos_id = language.eos_id if config.document_mask else None
-    train_tokens = TokenBuffer([tokens[~held_out_tokens]])
-    _check_fills_a_window(train_tokens, width, where)
-    val = None
-    if config.val.enabled:
-        val_tokens = TokenBuffer([tokens[held_out_tokens]])
-        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
+    train, val = _in_memory_loaders(
+        config, layout, val_layout, "synthetic corpus", language.eos_id,
+        TokenBuffer([tokens[~held_out_tokens]]), lambda: TokenBuffer([tokens[held_out_tokens]]),
+    )  # fmt: skip
     return DataLoaders(
-        train=TrainLoader(
-            IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id, config.prefetch
-        ),
+        train=train,
         val=val,
         vocab_size=language.vocab_size,
         eos_id=language.eos_id,
@@ -535,25 +532,41 @@ def _tokenized_loaders(
 ) -> DataLoaders:
     """Prepared shards, carved and packed as ``_indexed_hf`` carves and packs the source they were prepared from."""
     tokenizer = corpus.check_tokenizer(config.tokenizer)
-    fraction, width = config.val.holdout_fraction, config.seq_len + 1
-    where = f"tokenized corpus {corpus.path!r}"
-    train_tokens = corpus.tokens("train" if fraction > 0 else "all", fraction)
-    _check_fills_a_window(train_tokens, width, where)
-    eos_id = corpus.eos_id if config.document_mask else None
-    val = None
-    if config.val.enabled:
-        val_tokens = corpus.tokens("val", fraction)
-        val = ValLoader(lambda: val_tokens, config, val_layout, where, lazy=False, eos_id=eos_id)
+    fraction = config.val.holdout_fraction
+    train, val = _in_memory_loaders(
+        config, layout, val_layout, f"tokenized corpus {corpus.path!r}", corpus.eos_id,
+        corpus.tokens("train" if fraction > 0 else "all", fraction), lambda: corpus.tokens("val", fraction),
+    )  # fmt: skip
     return DataLoaders(
-        train=TrainLoader(
-            IndexedSamples(train_tokens, width, config.seed), layout, config.seed, eos_id, config.prefetch
-        ),
+        train=train,
         val=val,
         vocab_size=corpus.vocab_size,
         eos_id=corpus.eos_id,
         pad_id=corpus.pad_id,
         tokenizer=tokenizer,
     )
+
+
+def _in_memory_loaders(
+    config: DataConfig,
+    layout: BatchLayout,
+    val_layout: BatchLayout,
+    where: str,
+    eos_id: int,
+    train_tokens: TokenBuffer,
+    val_tokens: Callable[[], TokenBuffer],
+) -> tuple[TrainLoader, Optional[ValLoader]]:
+    """The loaders of a corpus whose parts are token buffers at hand (synthetic, prepared shards): randomly
+    accessed training windows, and validation (its tokens taken only when it is enabled), read at once."""
+    width = config.seq_len + 1
+    _check_fills_a_window(train_tokens, width, where)
+    eos_id = eos_id if config.document_mask else None
+    val = None
+    if config.val.enabled:
+        held_out = val_tokens()
+        val = ValLoader(lambda: held_out, config, val_layout, where, lazy=False, eos_id=eos_id)
+    samples = IndexedSamples(train_tokens, width, config.seed)
+    return TrainLoader(samples, layout, config.seed, eos_id, config.prefetch), val
 
 
 def _check_fills_a_window(tokens: TokenBuffer, width: int, where: str) -> None:
@@ -570,9 +583,11 @@ def _mixture_loaders(
     """Each source built as a source of its own (its samples, its held-out part, this rank's layouts), blended by
     the mixture's schedule (``mixture``); every source must speak the same token ids."""
     names = [source.name for source in config.mixture]
-    for index, source in enumerate(config.mixture):
-        if source.kind == "tokenized":  # its errors name the mixture's key, not data.tokenized.path
-            TokenizedCorpus.open(source.path, verify=False, key=f"data.mixture[{index}].path")
+    corpora = {  # opened first so that their errors name the mixture's key, not data.tokenized.path
+        index: TokenizedCorpus.open(source.path, verify=False, key=f"data.mixture[{index}].path")
+        for index, source in enumerate(config.mixture)
+        if source.kind == "tokenized"
+    }
     built = [
         build_loaders(_source_config(config, source), layout.rank, layout.world_size, layout.micro_batch_size,
                       model_vocab_size=model_vocab_size)
@@ -591,13 +606,14 @@ def _mixture_loaders(
         names,
         [loaders.train.samples for loaders in built],
         BlendSchedule(weights),
-        fingerprints=[_source_fingerprint(config, source, loaders) for source, loaders in zip(config.mixture, built,
-                                                                                               strict=True)],
-    )  # fmt: skip
+        fingerprints=[
+            _source_fingerprint(config, source, loaders, corpora.get(index))
+            for index, (source, loaders) in enumerate(zip(config.mixture, built, strict=True))
+        ],
+    )
     if total_samples is not None:
         samples.check_capacity(total_samples, [source.max_epochs for source in config.mixture])
-    train = TrainLoader(samples, layout, config.seed, first.train.eos_id, config.prefetch)
-    train.allow_changed_mixture = config.allow_changed_mixture
+    train = TrainLoader(samples, layout, config.seed, first.train.eos_id, config.prefetch, config.allow_changed_mixture)
     return DataLoaders(
         train=train,
         val=None,
@@ -622,11 +638,13 @@ def _source_config(config: DataConfig, source: MixtureSourceConfig) -> DataConfi
     return replace(config, hf=source.hf, **common)
 
 
-def _source_fingerprint(config: DataConfig, source: MixtureSourceConfig, loaders: DataLoaders) -> str:
+def _source_fingerprint(
+    config: DataConfig, source: MixtureSourceConfig, loaders: DataLoaders, corpus: Optional[TokenizedCorpus]
+) -> str:
     """Changes whenever the source's sample sequence could: its data (a prepared corpus's shard checksums; an
     inline source's config and tokenizer), the packing width, the held-out fraction and the order's seed."""
-    if source.kind == "tokenized":
-        data = TokenizedCorpus.open(source.path, verify=False).fingerprint
+    if corpus is not None:
+        data = corpus.fingerprint
     else:
         data = asdict(source.synthetic if source.kind == "synthetic" else source.hf)
     tokenizer = loaders.tokenizer.fingerprint if loaders.tokenizer is not None else None

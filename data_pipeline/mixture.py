@@ -112,7 +112,7 @@ def deviation_bound(num_sources: int) -> float:
 class BlendSchedule:
     """The source of every position from `origin` on, computed lazily in blocks and kept from the last rebase."""
 
-    def __init__(self, weights: Sequence[float], origin: int = 0, counts: Optional[Sequence[int]] = None):
+    def __init__(self, weights: Sequence[float], origin: int = 0):
         if any(w < 0 for w in weights) or not math.isclose(math.fsum(weights), 1.0, abs_tol=1e-9):
             raise ValueError(f"weights {list(weights)} must be >= 0 and sum to 1")
         self.weights = [float(w) for w in weights]
@@ -120,8 +120,7 @@ class BlendSchedule:
         drawn = sum(w > 0 for w in self.weights)  # a zero-weight source is never eligible
         self._delta = 0.0 if drawn == 1 else 1.0 / (2 * drawn - 2)
         self._origin = origin
-        self._origin_counts = [0] * self.num_sources if counts is None else [int(c) for c in counts]
-        self._rebase(origin, list(self._origin_counts))
+        self._rebase(origin, [0] * self.num_sources)  # counts are since the origin: none there
 
     def _rebase(self, base: int, counts: list[int]) -> None:
         self._base = base  # first position held in self._sources
@@ -174,7 +173,7 @@ class BlendSchedule:
         if start < self._origin:
             raise ValueError(f"position {start} precedes the schedule's origin {self._origin}")
         if start < self._base:  # going back (rare: a replay before the last read): from the origin again
-            self._rebase(self._origin, list(self._origin_counts))
+            self._rebase(self._origin, [0] * self.num_sources)
         held = len(self._sources)
         if start - self._base > 2 * _BLOCK and start - self._base <= held:  # forget what reads have moved past
             done = np.bincount(self._sources[: start - self._base], minlength=self.num_sources)

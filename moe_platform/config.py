@@ -489,6 +489,11 @@ class TrainConfig:
                 f"distributed.pipeline.virtual_stages={layout.num_stages // pp}",
             )
 
+    @property
+    def samples_to_train(self) -> int:
+        """Global samples the whole run reads (trainer.max_steps global batches): a mixture's caps are checked on it."""
+        return self.trainer.max_steps * self.data.global_batch_size
+
     def run_shape(self, world_size: int) -> RunShape:
         """The ledger's view of this run on `world_size` ranks (the start-up ledger, the predicted peak, the report):
         one spelling of what the model's memory and traffic depend on besides the model."""

@@ -87,8 +87,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     world_size = world_size_from_env()
     grad_accum = validate_launch(config, world_size, has_gpu())
     check_memory_fits(config, world_size, local_world_size(world_size), this_machine_memory(local_rank()))
-    total_samples = config.trainer.max_steps * config.data.global_batch_size  # a mixture's caps are checked on it
-    preflight(config.data, config.model.vocab_size, world_size, config.trainer.micro_batch_size, total_samples)
+    preflight(config.data, config.model.vocab_size, world_size, config.trainer.micro_batch_size,
+              config.samples_to_train)  # fmt: skip
     own_dir = Path(HydraConfig.get().runtime.output_dir)
     candidates, passed_over = resume_candidates(config.resume, own_dir)  # newest first, files all present
     if passed_over and int(os.environ.get("RANK", "0")) == 0:

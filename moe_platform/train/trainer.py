@@ -176,7 +176,7 @@ class Trainer:
                 world_size=dp_size,
                 micro_batch_size=config.trainer.micro_batch_size,
                 model_vocab_size=config.model.vocab_size,
-                total_samples=config.trainer.max_steps * config.data.global_batch_size,
+                total_samples=config.samples_to_train,
             )
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self._fsdp = config.distributed.strategy == "fsdp"

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -311,3 +312,7 @@ def test_a_mixture_of_prepared_corpora_blends_them_and_refuses_a_re_prepared_one
     prepared("b", [first], overwrite=True)
     with pytest.raises(DataError, match=re.escape("(data of 'b' changed)")):
         build_loaders(config, 0, 1).train.load_state_dict(state)
+    capped = mixture_config([replace(sources[0], max_epochs=1.0), sources[1]])
+    preflight(capped, 1024, total_samples=8)
+    with pytest.raises(DataError, match=r"source 'a' would give \d+ samples to 100000 global samples"):
+        preflight(capped, 1024, total_samples=100_000)
