@@ -308,9 +308,13 @@ def block_model(config: TrainConfig) -> str:
 
 
 def block_rate(config: TrainConfig, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of one of `config`'s blocks forward and backward on this thread at its micro-batch: the model of 2
+    """FLOP/s of one of `config`'s blocks forward and backward on this thread at its micro-batch: the model of 3
     blocks minus that of 1 (embedding, head and loss cancel), its matmul FLOPs (moe.flops, × 3) over the seconds.
-    MoE blocks where the model has any (the dense prefix is the rarer block). bf16 autocasts as the trainer does."""
+    MoE blocks where the model has any (the dense prefix is the rarer block). bf16 autocasts as the trainer does.
+
+    The two models are timed in pairs, one right after the other, and the rate is the median of the pairs'
+    differences: a busy neighbour slows both halves of a pair alike, where two separate medians can differ by more
+    than the blocks themselves take (a tiny model on a loaded machine once measured 3 blocks faster than 1)."""
     from moe.flops import matmul_flops_per_token
     from moe.model import Transformer
 
@@ -318,23 +322,32 @@ def block_rate(config: TrainConfig, dtype: torch.dtype, repeats: int = 5) -> flo
     tokens_B, seq = config.trainer.micro_batch_size, config.data.seq_len
     moe = dataclasses.replace(model.moe, first_dense_layers=0) if model.moe is not None else None
 
-    def seconds_and_flops(n_layers: int) -> tuple[float, float]:
+    def forward_backward_and_flops(n_layers: int) -> tuple[Callable[[], None], float]:
         torch.manual_seed(0)
         shape = dataclasses.replace(model, n_layers=n_layers, moe=moe)
         net = Transformer(shape)
         ids_BT = torch.randint(0, shape.vocab_size, (tokens_B, seq))
 
-        def forward_backward():
+        def forward_backward() -> None:
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 out = net(ids_BT)
                 loss = out.logits.float().square().mean() + out.aux_loss
             loss.backward()
 
-        flops = matmul_flops_per_token(shape, seq).training * tokens_B * seq
-        return _median_seconds(forward_backward, repeats, min_s=0.2), flops
+        return forward_backward, matmul_flops_per_token(shape, seq).training * tokens_B * seq
 
-    (t1, f1), (t2, f2) = seconds_and_flops(1), seconds_and_flops(2)
-    return (f2 - f1) / max(t2 - t1, 1e-9)
+    (small, f_small), (large, f_large) = forward_backward_and_flops(1), forward_backward_and_flops(3)
+    differences = [
+        _median_seconds(large, 1, min_s=0.2) - _median_seconds(small, 1, min_s=0.2) for _ in range(max(repeats, 3))
+    ]
+    seconds = statistics.median(differences)
+    if seconds <= 0:
+        raise RuntimeError(
+            f"the block probe measured 3 blocks no slower than 1 ({seconds * 1e3:.2f} ms median difference "
+            f"over {len(differences)} pairs): the machine is too busy to time them; rerun moe-plan --calibrate "
+            "when it is quiet."
+        )
+    return (f_large - f_small) / seconds
 
 
 def loaded_block_rates(config: TrainConfig, processes: int, repeats: int = 5) -> dict[str, float]:
