@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import re
 import signal
 import struct
 import subprocess
@@ -66,7 +67,9 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-PORT_TAKEN = ("Address already in use", "EADDRINUSE", "DistNetworkError")
+# What the rendezvous store says when its port was taken (not a bare DistNetworkError: a rank that loses its peer
+# raises that too, and such a run must not be rerun in its own run directory).
+PORT_TAKEN = ("Address already in use", "EADDRINUSE")
 
 
 def moe_train(
@@ -78,17 +81,22 @@ def moe_train(
     env: dict[str, str] | None = None,
     check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run `moe-train` directly, or through `launcher` ("torchrun", the default when nproc > 1, or "accelerate")
-    on 127.0.0.1, with `env` added to the environment (e.g. MOE_FAULTS); raises AssertionError with the output on
-    failure unless `check` is false. A free port can be taken by another process between choosing and binding it,
-    so a launch that fails on its port is retried once on a new one."""
+    """Run `moe-train` on 127.0.0.1 in `nproc` processes, with `env` added to the environment (e.g. MOE_FAULTS);
+    raises AssertionError with the output on failure unless `check` is false. With no `launcher` the ranks are
+    forked from this test process's prestarted `moe-train` (launch/prestarted.py: the same command with its
+    imports done once); "torchrun" or "accelerate" launch it through that launcher. A free port can be taken by
+    another process between choosing and binding it, so a launch that fails on its port is retried once on a new
+    one."""
     args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
-    launcher = launcher or ("torchrun" if nproc > 1 else None)
     for attempt in range(2):
-        command = _launch_command(launcher, nproc, args)
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **(env or {})}
-        )
+        if launcher is None:
+            command = [f"prestarted moe-train x{nproc}", *args]
+            result = PRESTARTED.run(args, nproc, {**subprocess_env(), **(env or {})}, timeout)
+        else:
+            command = _launch_command(launcher, nproc, args)
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **(env or {})}
+            )
         port_taken = any(marker in result.stderr for marker in PORT_TAKEN)
         if result.returncode == 0 or not port_taken or attempt == 1:
             break
@@ -97,6 +105,50 @@ def moe_train(
             f"{' '.join(command)}\nexit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
         )
     return result
+
+
+class Prestarted:
+    """This test process's `python -m moe_platform.launch.prestarted`, started at its first run and kept."""
+
+    def __init__(self) -> None:
+        self.server: subprocess.Popen | None = None
+
+    def run(self, args: list[str], nproc: int, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        if self.server is None or self.server.poll() is not None:
+            self.server = subprocess.Popen(
+                [sys.executable, "-m", "moe_platform.launch.prestarted"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=subprocess_env(),
+            )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="moe_prestarted_") as folder:
+            out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+            request = {"argv": [str(BIN / "moe-train"), *args], "env": env, "cwd": os.getcwd(), "nproc": nproc}
+            request |= {"port": free_port(), "stdout": str(out), "stderr": str(err), "timeout": timeout}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            line = self.server.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the prestarted moe-train (pid {self.server.pid}) ended: exit {self.server.wait()}")
+            reply = json.loads(line)
+            if reply.get("timeout"):
+                raise subprocess.TimeoutExpired(["moe-train", *args], timeout, out.read_text(), err.read_text())
+            result = subprocess.CompletedProcess(
+                ["moe-train", *args], reply["returncode"], out.read_text(), err.read_text()
+            )
+            result.rank_returncodes = reply["rank_returncodes"]
+            return result
+
+
+PRESTARTED = Prestarted()
+
+TORCHRUN_SUMMARY = re.compile(r"rank +: (\d+) \(local_rank: \d+\)\n +exitcode +: (-?\d+) ")
+
+
+def rank_exit_codes(result: subprocess.CompletedProcess) -> dict[int, int]:
+    """Each rank's exit code (minus the signal that ended it): the prestarted launcher's reply, or the failed ranks
+    of torchrun's failure summary (it names only those that did not exit 0)."""
+    if hasattr(result, "rank_returncodes"):
+        return dict(enumerate(result.rank_returncodes))
+    return {int(rank): int(code) for rank, code in TORCHRUN_SUMMARY.findall(result.stderr)}
 
 
 def start_moe_train(

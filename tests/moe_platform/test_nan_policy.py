@@ -17,7 +17,7 @@ from moe_platform.checkpoint.catalog import latest_checkpoint, step_dirname
 from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.config import ConfigError, TrainerConfig
 from moe_platform.interop.export import load_checkpoint_config, load_exported_model
-from moe_platform.testing import moe_train, read_metrics, run_distributed
+from moe_platform.testing import moe_train, rank_exit_codes, read_metrics, run_distributed
 from moe_platform.train.nan_guard import NanGuard, poison_nonfinite
 
 ATTN_NAN_AT_3 = "nan@blocks.1.attn:step=3"
@@ -166,9 +166,9 @@ def test_every_rank_refuses_the_checkpoint_when_one_holds_a_non_finite_weight(tm
 def test_ddp_ranks_halt_together_on_a_nan_in_rank_1_alone(tmp_path: Path) -> None:
     result = nan_run(tmp_path, f"{ATTN_NAN_AT_3}:rank=1", "distributed=ddp", "trainer.max_steps=4", nproc=2)
     assert result.returncode != 0
-    # Both ranks stop with code 4; torchrun ends a rank still tearing down once the other has exited (SIGTERM).
-    exit_codes = re.findall(r"exitcode  : (-?\d+)", result.stderr)
-    assert "4" in exit_codes and set(exit_codes) <= {"4", "-15"}, exit_codes
+    # Both ranks stop with code 4; the launcher ends a rank still tearing down once the other has exited (SIGTERM).
+    exit_codes = set(rank_exit_codes(result).values())
+    assert 4 in exit_codes and exit_codes <= {4, -15}, exit_codes
     messages = stopped_messages(result)  # one per rank that got to print it, all the same
     assert messages and len(set(messages)) == 1
     assert messages[0].startswith("non-finite loss at step 3: it first appears in the output of blocks.1.attn (rank 1")
