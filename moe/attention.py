@@ -15,6 +15,7 @@ from torch import nn
 
 from moe.config import ModelConfig
 from moe.kv_cache import KVCache
+from moe.max_logit import MaxLogitRecorder
 from moe.rope import apply_rope
 
 
@@ -106,6 +107,7 @@ class Attention(nn.Module):
         self.w_k = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.w_v = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.w_o = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=bias)
+        self.max_logit: MaxLogitRecorder | None = None  # set while a run watches S_max (moe/max_logit.py)
 
     def forward(
         self,
@@ -124,6 +126,8 @@ class Attention(nn.Module):
             k_BKSd, v_BKSd = kv_cache.update(self.layer_idx, k_BKTd, v_BKTd)
         else:
             k_BKSd, v_BKSd = k_BKTd, v_BKTd
+        if self.max_logit is not None and self.training:
+            self.max_logit.observe(q_BHTd, k_BKSd, mask, scale=self.head_dim**-0.5)
         # Without a mask and without a prefix, plain causal attention takes SDPA's fused causal path.
         is_causal = mask is None and k_BKSd.shape[2] == T and T > 1
         z_BHTd = grouped_attention(

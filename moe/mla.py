@@ -31,6 +31,7 @@ from torch import nn
 
 from moe.attention import grouped_attention
 from moe.kv_cache import LatentKVCache
+from moe.max_logit import MaxLogitRecorder
 from moe.mla_config import LATENT_NORM_EPS
 from moe.rope import apply_rope
 
@@ -65,6 +66,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(self.latent_dim, eps=LATENT_NORM_EPS)
         self.w_kv_up = nn.Linear(self.latent_dim, self.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.w_o = nn.Linear(self.n_heads * self.v_dim, config.d_model, bias=bias)
+        self.max_logit: MaxLogitRecorder | None = None  # set while a run watches S_max (moe/max_logit.py)
 
     def forward(
         self,
@@ -120,6 +122,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_rope_BHSr = k_rope_BSr[:, None].expand(B, self.n_heads, S, self.rope_dim)
         q_BHTq = torch.cat((q_nope_BHTn, q_rope_BHTr), dim=-1)
         k_BHSq = torch.cat((k_nope_BHSn, k_rope_BHSr), dim=-1)
+        if self.max_logit is not None and self.training:
+            self.max_logit.observe(q_BHTq, k_BHSq, mask, scale=1.0 / math.sqrt(self.nope_dim + self.rope_dim))
         return self._attention(q_BHTq, k_BHSq, v_BHSv, mask)
 
     def _attend_absorbed(self, q_nope_BHTn, q_rope_BHTr, latent_BSC, k_rope_BSr, mask) -> torch.Tensor:

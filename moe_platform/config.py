@@ -81,8 +81,15 @@ class OptimConfig:
     # per step), "for_loop" (ops per parameter), or "auto" (fused where the device has it, else foreach). The
     # three compute the same update up to rounding; fused measured ~4x faster than the others on CPU here.
     implementation: str = "auto"
+    # QK-clip (Kimi K2's MuonClip, train/qk_clip.py): after each step, a head whose largest attention logit
+    # exceeded τ gets W_Q, W_K rescaled so that it is τ; K2 ran τ = 100. None: off. Works with AdamW too.
+    qk_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.qk_clip is None or self.qk_clip > 0,
+            f"optim.qk_clip={self.qk_clip} must be a positive logit threshold τ (Kimi K2: 100), or null for off",
+        )
         _require(
             self.implementation in ADAMW_IMPLEMENTATIONS,
             f"optim.implementation={self.implementation!r} is unknown: use one of {ADAMW_IMPLEMENTATIONS}",
@@ -281,6 +288,9 @@ class LoggingConfig:
     # Measure one training step's peak memory (a run's second) and print it beside the ledger's prediction at the
     # end (moe_platform/monitor/peak_memory.py); on CPU that step runs under torch.profiler, several times slower.
     peak_memory: bool = True
+    # Log each layer's largest attention logit (attn/max_logit/layer_i, moe/max_logit.py), the signal of attention
+    # logits blowing up; one more Q·Kᵀ per forward. On whenever optim.qk_clip is set.
+    attention_max_logit: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -458,8 +468,22 @@ class TrainConfig:
             "trainer.compile=true is not supported with ZeRO-3 (its parameter hooks gather inside the blocks that "
             "would be compiled): use distributed=zero2 or set trainer.compile=false",
         )
+        self._check_attention_logits()
         self._check_expert_parallel()
         self._check_pipeline()
+
+    def _check_attention_logits(self) -> None:
+        watched = "optim.qk_clip" if self.optim.qk_clip is not None else "logging.attention_max_logit=true"
+        _require(
+            not (self.optim.qk_clip is not None and self.distributed.strategy == "deepspeed"),
+            "optim.qk_clip rescales the module's W_Q and W_K, which DeepSpeed's fp32 master copy would overwrite at "
+            "the next step: use distributed=ddp, fsdp or hsdp",
+        )
+        _require(
+            not (self.trainer.compile and (self.optim.qk_clip is not None or self.logging.attention_max_logit)),
+            f"{watched} records logits beside the attention that trainer.compile=true would compile: set "
+            "trainer.compile=false",
+        )
 
     def _check_pipeline(self) -> None:
         pp, pipeline = self.distributed.pipeline_parallel_size, self.distributed.pipeline

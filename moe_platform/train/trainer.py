@@ -63,6 +63,7 @@ from moe_platform.train.model_build import build_model, full_shape
 from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
 from moe_platform.train.pipeline_step import PipelineTraining, token_mean_loss
 from moe_platform.train.preemption import PreemptionWatch
+from moe_platform.train.qk_clip import AttentionLogits
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class Trainer:
         # call (is_deepspeed_available), ~1% of a ZeRO-2 step when done per step.
         self.module = accelerator.unwrap_model(self.model)
 
+        self.attention_logits = AttentionLogits(model, config)  # S_max per head, and QK-clip (train/qk_clip.py)
         self.state = TrainState()
         self.nan_guard = NanGuard(config.trainer, accelerator, self.model, self.state, self.run_dir)
         if self.pipeline is not None:  # a step's forwards replayed through the stages, NaNs named in stage order
@@ -361,9 +363,12 @@ class Trainer:
         stage's under PP); a withheld one goes to the NaN guard, which skips it or halts."""
         if applied:
             update_balancing_biases(self.module, group=self.pipeline.meshes.dp_group if self.pipeline else None)
+            self.attention_logits.after_step()  # QK-clip rescales after the update, as K2 does
             self.nan_guard.step_applied()
-        elif halt := self.nan_guard.after_nonfinite_step(step, inputs, losses):
-            self._halt(halt)
+        else:
+            self.attention_logits.discard()  # a withheld step's logits clip nothing
+            if halt := self.nan_guard.after_nonfinite_step(step, inputs, losses):
+                self._halt(halt)
         faults.point("step_end", step)
 
     def _pipeline_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
@@ -500,6 +505,7 @@ class Trainer:
         }
         stats = self.pipeline.pad_stats(window.stats) if self.pipeline is not None else window.stats
         record.update(reduce_moe_stats(self.accelerator, stats))
+        record.update(self.attention_logits.record())
         if self.state.step <= self.config.trainer.log_every:  # once: the optimizer state exists after a step
             record.update(self.footprint.record())  # what each rank holds, beside the ledger
         record.update(self.peak_memory.record(self.accelerator, self.predicted_peaks))  # once: the measured step's
