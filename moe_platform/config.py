@@ -36,6 +36,7 @@ PRECISIONS = ("fp32", "bf16")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
+NS_DTYPES = ("bfloat16", "float32")
 MOE_DETAILS = ("brief", "detailed")
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")  # torch.distributed's; null picks nccl with GPUs, gloo without
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -79,6 +80,10 @@ class MuonConfig:
     # The update's scale for an A×B matrix: "match_rms_adamw" lr·0.2·√max(A, B) (Moonlight: the RMS of an AdamW
     # update, so AdamW's lr and weight decay carry over), "original" lr·√max(1, fan_out/fan_in) (Keller Jordan's)
     adjust_lr: str = "match_rms_adamw"
+    # Newton–Schulz in bf16 (torch.optim.Muon's, Keller Jordan's: tensor-core speed) or fp32. Under bf16 another
+    # layout's last-bit gradient differences flip roundings that NS amplifies (DDP on 2 ranks vs one process, moe_tiny:
+    # grad norms 1e-3 apart after 10 steps); under fp32 layouts agree to fp32 rounding (test_muon.py, 1e-5).
+    ns_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         _require(self.lr is None or self.lr > 0, f"optim.muon.lr={self.lr} must be positive, or null for optim.lr")
@@ -91,6 +96,9 @@ class MuonConfig:
         _require(
             self.adjust_lr in MUON_LR_ADJUSTMENTS,
             f"optim.muon.adjust_lr={self.adjust_lr!r} is unknown: use one of {MUON_LR_ADJUSTMENTS}",
+        )
+        _require(
+            self.ns_dtype in NS_DTYPES, f"optim.muon.ns_dtype={self.ns_dtype!r} is unknown: use one of {NS_DTYPES}"
         )
 
 

@@ -7,7 +7,8 @@ Legend: E experts (the local ones under EP), A×B one matrix as stored (nn.Linea
 Muon, per matrix W with gradient G (torch.optim.Muon's math, which `test_muon` checks step for step):
     B ← μ·B + (1 − μ)·G                                  (B: the one momentum buffer, fp32 like W)
     U = (1 − μ)·G + μ·B  (nesterov)  or  U = B
-    O = NS_k(U): X₀ = U/‖U‖_F in bf16 (transposed so that A ≤ B), X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X, k times,
+    O = NS_k(U): X₀ = U/‖U‖_F in bf16 (optim.muon.ns_dtype: or fp32), transposed so that A ≤ B,
+        X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X, k times,
         (a, b, c) = (3.4445, −4.7750, 2.0315): O ≈ U's orthogonal factor, singular values in about [0.7, 1.2]
     W ← W·(1 − η·λ) − η·s·O,  s = 0.2·√max(A, B) (match_rms_adamw, Moonlight) or √max(1, fan_out/fan_in) (original)
 Routed experts are stored as [E, in, out] tensors: each expert is its own matrix, orthogonalised alone (a batched
@@ -22,10 +23,11 @@ warmup and decay (`OptimConfig.lr_at`).
 Layouts. One process, DDP and expert parallelism hold whole matrices (an expert's matrix lives on one EP rank, and
 DDP's all-reduce leaves every rank the same gradient), so each rank orthogonalises locally and alike. Under FSDP2 a
 parameter is a DTensor sharded along dim 0: an expert tensor's shard is whole experts (dim 0 is E), orthogonalised
-locally with no communication; a 2-D matrix is split by rows, so Muon all-gathers U (cast to bf16 first, which NS
-does anyway: the same bits) and every rank of the shard group runs NS on the whole matrix, then keeps its rows of O.
-That costs per step an all-gather of 2 B for every element of the non-expert matrices (half the bytes of FSDP's
-fp32 gradient reduce-scatter of them; the expert matrices send nothing), one whole bf16 matrix and its NS
+locally with no communication; a 2-D matrix is split by rows, so Muon all-gathers U (cast to NS's dtype first,
+which NS does anyway: the same bits) and every rank of the shard group runs NS on the whole matrix, then keeps its
+rows of O. That costs per step an all-gather of 2 B (bf16; fp32: 4 B) for every element of the non-expert matrices
+(half, or all, the bytes of FSDP's fp32 gradient reduce-scatter of them; the expert matrices send nothing), one
+whole matrix and its NS
 temporaries at a time in memory, and NS FLOPs ≈ k·(4·A²·B + 2·A³) per matrix repeated on each rank of the shard
 group instead of divided among them. DeepSpeed's ZeRO steps flat partitions that cut across matrices: refused at
 start-up (config.py).
@@ -42,8 +44,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.adam import adam
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.optim.adam import adam
 
 from moe.experts import GroupedExperts
 from moe_platform.config import OptimConfig
@@ -107,7 +109,7 @@ def build_optimizer(groups: list[dict[str, Any]], optim: OptimConfig) -> torch.o
     muon = optim.muon
     return MuonAdamW(
         groups, **adamw, weight_decay=optim.weight_decay, momentum=muon.momentum, nesterov=muon.nesterov,
-        ns_steps=muon.ns_steps, adjust_lr=muon.adjust_lr, **kernel,
+        ns_steps=muon.ns_steps, adjust_lr=muon.adjust_lr, ns_dtype=muon.ns_dtype, **kernel,
     )  # fmt: skip
 
 
@@ -127,13 +129,14 @@ class MuonAdamW(torch.optim.Optimizer):
         nesterov: bool,
         ns_steps: int,
         adjust_lr: str,
+        ns_dtype: str = "bfloat16",
         fused: bool | None = None,
         foreach: bool | None = None,
     ) -> None:
         defaults = {
             "algorithm": ADAMW, "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
             "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr": adjust_lr,
-            "fused": fused, "foreach": foreach,
+            "ns_dtype": ns_dtype, "fused": fused, "foreach": foreach,
         }  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -166,7 +169,7 @@ class MuonAdamW(torch.optim.Optimizer):
             grad, buf = _local(p.grad), _local(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            ortho = _orthogonalised(p, update, group["ns_steps"])
+            ortho = _orthogonalised(p, update, group["ns_steps"], getattr(torch, group["ns_dtype"]))
             weight = _local(p)
             weight.mul_(1 - lr * group["weight_decay"])
             weight.add_(ortho, alpha=-lr * lr_scale(group["adjust_lr"], p.shape))
@@ -209,11 +212,11 @@ def lr_scale(adjust_lr: str, shape: torch.Size) -> float:
     return math.sqrt(max(1, fan_out / fan_in))
 
 
-def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """NS_k(U) in bf16 of a matrix [A, B] or of each matrix of a stack [E, A, B] alone (module docstring); the 2-D
-    case is torch.optim.Muon's operation for operation."""
+def newton_schulz(u: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """NS_k(U) in `dtype` of a matrix [A, B] or of each matrix of a stack [E, A, B] alone (module docstring); the 2-D
+    case in bf16 is torch.optim.Muon's operation for operation."""
     a, b, c = NS_COEFFICIENTS
-    x = u.bfloat16()
+    x = u.to(dtype)
     tall = u.size(-2) > u.size(-1)
     if tall:  # XXᵀ is then the smaller Gram matrix
         x = x.mT
@@ -230,14 +233,14 @@ def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
     return x.mT if tall else x
 
 
-def _orthogonalised(p: torch.Tensor, update: torch.Tensor, steps: int) -> torch.Tensor:
+def _orthogonalised(p: torch.Tensor, update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """NS of this rank's `update` (a local tensor): where its shard of `p` holds only whole matrices (a plain
     tensor; an expert stack sharded along E), here; else gathered whole, orthogonalised, and this rank's rows kept."""
     if not isinstance(p, DTensor) or _whole_matrices(p):
-        return newton_schulz(update, steps)
+        return newton_schulz(update, steps, dtype)
     mesh, placements = p.device_mesh, p.placements
-    whole = DTensor.from_local(update.bfloat16(), mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
-    return distribute_tensor(newton_schulz(whole, steps), mesh, placements, src_data_rank=None).to_local()
+    whole = DTensor.from_local(update.to(dtype), mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return distribute_tensor(newton_schulz(whole, steps, dtype), mesh, placements, src_data_rank=None).to_local()
 
 
 def _whole_matrices(p: DTensor) -> bool:
