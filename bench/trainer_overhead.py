@@ -176,7 +176,7 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     from moe_platform.config import validate_launch, world_size_from_env
     from moe_platform.launch.compose import train_config
     from moe_platform.parallel.accelerator import deepspeed_config
-    from moe_platform.train import trainer
+    from moe_platform.train import optimizers
     from moe_platform.train.model_build import build_model
 
     mode = args.bare
@@ -215,9 +215,7 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
         meshes = fsdp.build_meshes("cpu", replicate_size=1, ep_size=world)
         fsdp.shard_model(model, meshes, fsdp.ShardingPolicy(reshard_after_forward=True, bf16=False, cpu_offload=False))
     # The trainer's parameter groups and AdamW kernel, on what this rank holds (FSDP: its shards).
-    groups = trainer.optimizer_param_groups(model, config)
-    kernel = trainer.adamw_kernel(optim.implementation, list(model.parameters()))
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+    optimizer = optimizers.build_optimizer(optimizers.param_groups(model, optim), optim)
     if mode == "zero2":
         import deepspeed
 

@@ -70,6 +70,8 @@ class RunShape:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved: loop; zbv, dualpipev: V = 2)
     microbatches: int = 1  # per step and pipeline (under PP: grad_accum)
     layout: tuple | None = None  # explicit stages (moe.stages.parse_layout's input); None: balanced_layout
+    # "adamw": m and v for every parameter; "muon": one momentum buffer for the hidden matrices (`muon_params`)
+    optimizer: str = "adamw"
 
 
 # Bytes per element of a weight in each precision's compute dtype (the module's weights under DeepSpeed, the gathered
@@ -77,6 +79,8 @@ class RunShape:
 PARAM_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 FP32_BYTES = 4
 ADAMW_BYTES = 8  # m and v, fp32 in every precision here
+MUON_BYTES = 4  # Muon's one momentum buffer, fp32 (moe_platform/train/optimizers.py)
+OPTIMIZERS = ("adamw", "muon")
 PRECISION_ASSUMPTIONS = {
     "fp32": "fp32 weights 4 B + fp32 grads 4 B + AdamW m, v fp32 8 B (+ DeepSpeed's fp32 master copy 4 B)",
     "bf16": "bf16 weights 2 B + grads 2 B (fp32 4 B at stage ≥ 2) + fp32 master 4 B + AdamW m, v 8 B; DDP: as fp32",
@@ -91,7 +95,7 @@ class TrainingStateBytes:
     weights: float  # the module's parameters (under ZeRO-3 and FSDP this rank's shard of them)
     gradients: float
     master: float  # DeepSpeed's fp32 master partition, a copy beside the weights (0 where the weights are the master)
-    optimizer: float  # AdamW's m and v
+    optimizer: float  # AdamW's m and v (Muon's momentum for the matrices it steps)
 
     @property
     def total(self) -> float:
@@ -107,7 +111,7 @@ class TrainingStateBytes:
 
 
 def training_state_bytes(
-    num_params: int, precision: str, zero_stage: int, dp_size: int, *, fsdp: bool = False
+    num_params: int, precision: str, zero_stage: int, dp_size: int, *, fsdp: bool = False, muon_params: float = 0
 ) -> TrainingStateBytes:
     """Per-rank bytes of weights, gradients, master copy and optimizer state of `num_params` parameters that
     `dp_size` ranks share, as each strategy allocates them (measured, torch 2.13 and DeepSpeed 0.19.8, by
@@ -121,6 +125,7 @@ def training_state_bytes(
         18/N B/param (the ZeRO paper's Ψ·(2 + 2 + 12) has 2 B sharded gradients, which DeepSpeed does not keep);
       * FSDP2 (`fsdp`) shards everything, in fp32 in either precision (its bf16 weights exist only gathered, while a
         unit computes: `sharding_transient_bytes`): 16/N B/param.
+    Of them, `muon_params` are stepped by Muon (optim.name=muon): 4 B of momentum each instead of AdamW's 8 B.
     Activations, buffers, allocator slack and communication buckets are not counted.
     """
     if precision not in PARAM_DTYPE_BYTES:
@@ -131,24 +136,25 @@ def training_state_bytes(
         raise ValueError(f"zero_stage={zero_stage} is DeepSpeed's, but fsdp shards everything already: use 0")
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
+    if not 0 <= muon_params <= num_params:
+        raise ValueError(f"muon_params={muon_params} must lie in [0, num_params={num_params}]")
     n, shard = num_params, 1.0 / dp_size
+    optimizer = (n - muon_params) * ADAMW_BYTES + muon_params * MUON_BYTES
     if fsdp:
         return TrainingStateBytes(
             weights=n * FP32_BYTES * shard,
             gradients=n * FP32_BYTES * shard,
             master=0.0,
-            optimizer=n * ADAMW_BYTES * shard,
+            optimizer=optimizer * shard,
         )
     if zero_stage == 0:
-        return TrainingStateBytes(
-            weights=n * FP32_BYTES, gradients=n * FP32_BYTES, master=0.0, optimizer=n * ADAMW_BYTES
-        )
+        return TrainingStateBytes(weights=n * FP32_BYTES, gradients=n * FP32_BYTES, master=0.0, optimizer=optimizer)
     weight_b = PARAM_DTYPE_BYTES[precision]
     return TrainingStateBytes(
         weights=n * weight_b * (shard if zero_stage >= 3 else 1.0),
         gradients=n * FP32_BYTES * shard if zero_stage >= 2 else n * weight_b,
         master=n * FP32_BYTES * shard,
-        optimizer=n * ADAMW_BYTES * shard,
+        optimizer=optimizer * shard,
     )
 
 
@@ -319,6 +325,49 @@ def held_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, i
     return held
 
 
+def _adamw_block_params(config: ModelConfig, layer: int) -> int:
+    """Parameters of block `layer` that AdamW steps under optim.name=muon: its two norms, the attention's biases
+    (attention_bias) and MLA's latent norms, and the dense FFN's biases (ffn_bias) or the MoE layer's router E·D;
+    Muon steps every other, a weight matrix (moe_platform/train/optimizers.py `hidden_matrices`)."""
+    vectors = 2 * norm_num_params(config)
+    if config.attention == "mla":
+        mla = config.mla
+        vectors += (mla.q_lora_rank or 0) + mla.kv_lora_rank  # the latents' RMSNorms
+        if config.attention_bias:
+            vectors += (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim + config.d_model
+    elif config.attention_bias:
+        vectors += (config.n_heads + 2 * config.n_kv_heads) * config.head_dim + config.d_model
+    if config.is_moe_layer(layer):
+        return vectors + config.moe.num_experts * config.d_model
+    if config.ffn_bias:
+        vectors += (2 if config.activation == "swiglu" else 1) * config.d_ff + config.d_model
+    return vectors
+
+
+@memoized_by_config
+def muon_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, int]]:
+    """(non-expert, routed-expert) parameters Muon steps on each pipeline rank, as `held_params_by_rank` counts
+    them: every block's weight matrices and all routed experts under run.optimizer=muon (none outside the blocks:
+    embeddings and head are AdamW's), zeros under adamw."""
+    if run.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={run.optimizer!r} is unknown: use one of {OPTIMIZERS}")
+    held = held_params_by_rank(config, run)
+    if run.optimizer == "adamw":
+        return [(0, 0) for _ in held]
+    blocks = [range(config.n_layers)]
+    if run.pipeline_size > 1:
+        layout = pipeline_layout(config, run)
+        blocks = [
+            [p for stage in stage_pieces(layout, r) for p in stage if isinstance(p, int)]
+            for r in range(run.pipeline_size)
+        ]
+    muon = []
+    for layers, (_, routed) in zip(blocks, held, strict=True):
+        dense = sum(_block_params(config, layer)[0] - _adamw_block_params(config, layer) for layer in layers)
+        muon.append((dense, routed))
+    return muon
+
+
 def training_state_bytes_per_rank(
     config: ModelConfig, run: RunShape, pipeline_rank: int | None = None
 ) -> TrainingStateBytes:
@@ -330,13 +379,15 @@ def training_state_bytes_per_rank(
     `training_state_bytes(total, …, W)`. Under PP, W is a stage's dp_size = W_all / PP ranks.
     """
     _check_layout(config, run)
-    held = held_params_by_rank(config, run)
+    held, muon = held_params_by_rank(config, run), muon_params_by_rank(config, run)
     dense_shards, expert_shards = _shard_counts(run)
     state = partial(training_state_bytes, precision=run.precision, zero_stage=run.zero_stage, fsdp=run.fsdp)
 
     def of_rank(p: int) -> TrainingStateBytes:
-        dense, routed = held[p]
-        return state(dense, dp_size=dense_shards) + state(routed // run.ep_size, dp_size=expert_shards)
+        (dense, routed), (muon_dense, muon_routed) = held[p], muon[p]
+        return state(dense, dp_size=dense_shards, muon_params=muon_dense) + state(
+            routed // run.ep_size, dp_size=expert_shards, muon_params=muon_routed // run.ep_size
+        )
 
     return _worst(run, pipeline_rank, of_rank, lambda bytes_: bytes_.total)
 
@@ -955,7 +1006,7 @@ def _training_state_table(
         rows = [
             ("weights", _human(state.weights, "B"), f"fp32 shards ({shards}), the master weights"),
             ("gradients", _human(state.gradients, "B"), "fp32 shards, reduce-scattered"),
-            ("optimizer", _human(state.optimizer, "B"), "AdamW m, v of the shards"),
+            ("optimizer", _human(state.optimizer, "B"), f"{_optimizer_state(run)} of the shards"),
             ("total", _human(state.total, "B"), FSDP_ASSUMPTION),
         ]
         transient = sharding_transient_bytes(config, run, rank)
@@ -977,7 +1028,7 @@ def _training_state_table(
             ("weights", _human(state.weights, "B"), "sharded at stage 3"),
             ("gradients", _human(state.gradients, "B"), "sharded at stage ≥ 2, then fp32 partitions"),
             ("master", _human(state.master, "B"), "DeepSpeed's fp32 partition, at stage ≥ 1"),
-            ("optimizer", _human(state.optimizer, "B"), "AdamW m, v, sharded at stage ≥ 1"),
+            ("optimizer", _human(state.optimizer, "B"), f"{_optimizer_state(run)}, sharded at stage ≥ 1"),
             ("total", _human(state.total, "B"), PRECISION_ASSUMPTIONS[run.precision]),
         ]
         if run.zero_stage == 3:
@@ -993,6 +1044,12 @@ def _training_state_table(
     rows.append(("not counted", "-", "activations, buffers, allocator slack, communication buckets"))
     where = "" if rank is None else f"; pipeline rank {rank} of PP={run.pipeline_size}, the most"
     return _table(f"Training state per rank ({run.precision}, {_layout(run)}{where})", rows)
+
+
+def _optimizer_state(run: RunShape) -> str:
+    if run.optimizer == "muon":
+        return f"Muon momentum {MUON_BYTES} B (block matrices, experts) + AdamW m, v {ADAMW_BYTES} B (the rest)"
+    return "AdamW m, v"
 
 
 def _kv_cache_table(config: ModelConfig, run: RunShape) -> str:
@@ -1037,17 +1094,23 @@ def _expert_parallel_table(
     dense_shards, expert_shards = _shard_counts(run)
     dense_params, routed = held_params_by_rank(config, run)[rank or 0]
     expert_params = routed // EP
-    experts = training_state_bytes(expert_params, run.precision, run.zero_stage, expert_shards, fsdp=run.fsdp)
+    muon = run.optimizer == "muon"
+    experts = training_state_bytes(
+        expert_params, run.precision, run.zero_stage, expert_shards, fsdp=run.fsdp,
+        muon_params=expert_params if muon else 0,
+    )  # fmt: skip
+    expert_b = MUON_BYTES if muon else ADAMW_BYTES
+    dense_b = f"({MUON_BYTES} B Muon or {ADAMW_BYTES} B AdamW)" if muon else f"{ADAMW_BYTES} B"
     if run.fsdp:
         dense = "non-expert / (W/R)" if run.replicate_size > 1 else "non-expert / W"
-        optimizer_formula = f"{ADAMW_BYTES} B · ({dense} + routed / EP / (W/EP)), FSDP2"
-        expert_formula = f"{ADAMW_BYTES} B · routed / (EP · W/EP) = routed / W: EP splits, FSDP shards each block"
+        optimizer_formula = f"{dense_b} · ({dense} + routed / EP / (W/EP)), FSDP2"
+        expert_formula = f"{expert_b} B · routed / (EP · W/EP) = routed / W: EP splits, FSDP shards each block"
     elif run.zero_stage >= 1:
-        optimizer_formula = f"{ADAMW_BYTES} B · (replicated / W + routed / EP / (W/EP)), ZeRO-{run.zero_stage}"
-        expert_formula = f"{ADAMW_BYTES} B · routed / EP / (W/EP): DeepSpeed partitions each block over W/EP (measured)"
+        optimizer_formula = f"{dense_b} · (replicated / W + routed / EP / (W/EP)), ZeRO-{run.zero_stage}"
+        expert_formula = f"{expert_b} B · routed / EP / (W/EP): DeepSpeed partitions each block over W/EP (measured)"
     else:
-        optimizer_formula = f"{ADAMW_BYTES} B · params per rank, ZeRO-0: unsharded"
-        expert_formula = f"{ADAMW_BYTES} B · routed / EP, ZeRO-0: each block unsharded on its W/EP ranks"
+        optimizer_formula = f"{dense_b} · params per rank, ZeRO-0: unsharded"
+        expert_formula = f"{expert_b} B · routed / EP, ZeRO-0: each block unsharded on its W/EP ranks"
     layers = None
     if rank is not None:
         layout = pipeline_layout(config, run)

@@ -34,6 +34,9 @@ SCHEDULES = ("cosine", "linear", "constant")
 STRATEGIES = ("single", "ddp", "deepspeed", "fsdp")
 PRECISIONS = ("fp32", "bf16")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_ADJUSTMENTS = ("match_rms_adamw", "original")
+NS_DTYPES = ("bfloat16", "float32")
 MOE_DETAILS = ("brief", "detailed")
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")  # torch.distributed's; null picks nccl with GPUs, gloo without
 WANDB_MODES = ("online", "offline", "disabled", "shared")
@@ -65,9 +68,46 @@ def _these(keys: list[str], one: str, several: str) -> str:
 
 
 @dataclass
-class OptimConfig:
-    """AdamW with linear warmup then cosine/linear decay to min_lr_ratio·lr, or constant."""
+class MuonConfig:
+    """Muon's own settings (optim.name=muon, train/optimizers.py): it steps the hidden weight matrices, AdamW (the
+    rest of optim.*) the embeddings, the head, norms, biases and routers."""
 
+    lr: Optional[float] = None  # peak lr of the Muon group, scheduled like optim.lr; None: optim.lr
+    weight_decay: Optional[float] = None  # decoupled, p ← p·(1 − lr·wd); None: optim.weight_decay
+    momentum: float = 0.95  # μ of B ← μ·B + (1 − μ)·g
+    nesterov: bool = True  # orthogonalise (1 − μ)·g + μ·B instead of B
+    ns_steps: int = 5  # Newton–Schulz iterations
+    # The update's scale for an A×B matrix: "match_rms_adamw" lr·0.2·√max(A, B) (Moonlight: the RMS of an AdamW
+    # update, so AdamW's lr and weight decay carry over), "original" lr·√max(1, fan_out/fan_in) (Keller Jordan's)
+    adjust_lr: str = "match_rms_adamw"
+    # Newton–Schulz in bf16 (torch.optim.Muon's, Keller Jordan's: tensor-core speed) or fp32. Under bf16 another
+    # layout's last-bit gradient differences flip roundings that NS amplifies (DDP on 2 ranks vs one process, moe_tiny:
+    # grad norms 1e-3 apart after 10 steps); under fp32 layouts agree to fp32 rounding (test_muon.py, 1e-5).
+    ns_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _require(self.lr is None or self.lr > 0, f"optim.muon.lr={self.lr} must be positive, or null for optim.lr")
+        _require(
+            self.weight_decay is None or self.weight_decay >= 0,
+            f"optim.muon.weight_decay={self.weight_decay} must be >= 0, or null for optim.weight_decay",
+        )
+        _require(0 <= self.momentum < 1, f"optim.muon.momentum={self.momentum} must lie in [0, 1), e.g. 0.95")
+        _require(1 <= self.ns_steps < 100, f"optim.muon.ns_steps={self.ns_steps} must lie in [1, 100), e.g. 5")
+        _require(
+            self.adjust_lr in MUON_LR_ADJUSTMENTS,
+            f"optim.muon.adjust_lr={self.adjust_lr!r} is unknown: use one of {MUON_LR_ADJUSTMENTS}",
+        )
+        _require(
+            self.ns_dtype in NS_DTYPES, f"optim.muon.ns_dtype={self.ns_dtype!r} is unknown: use one of {NS_DTYPES}"
+        )
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (or Muon for the hidden matrices with AdamW for the rest: name=muon) with linear warmup then
+    cosine/linear decay to min_lr_ratio·lr, or constant."""
+
+    name: str = "adamw"
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -81,11 +121,19 @@ class OptimConfig:
     # per step), "for_loop" (ops per parameter), or "auto" (fused where the device has it, else foreach). The
     # three compute the same update up to rounding; fused measured ~4x faster than the others on CPU here.
     implementation: str = "auto"
+    muon: MuonConfig = field(default_factory=MuonConfig)
     # QK-clip (Kimi K2's MuonClip, train/qk_clip.py): after each step, a head whose largest attention logit
     # exceeded τ gets W_Q, W_K rescaled so that it is τ; K2 ran τ = 100. None: off. Works with AdamW too.
     qk_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
+        _require(self.name in OPTIMIZERS, f"optim.name={self.name!r} is unknown: use one of {OPTIMIZERS}")
+        muon_keys = _changed(self.muon, "optim.muon.")
+        _require(
+            self.name == "muon" or not muon_keys,
+            f"{_these(muon_keys, 'sets', 'set')} Muon up but optim.name={self.name!r}: use optim=muon, or drop "
+            f"{'it' if len(muon_keys) == 1 else 'them'}",
+        )
         _require(
             self.qk_clip is None or self.qk_clip > 0,
             f"optim.qk_clip={self.qk_clip} must be a positive logit threshold τ (Kimi K2: 100), or null for off",
@@ -103,19 +151,28 @@ class OptimConfig:
         _require(self.schedule in SCHEDULES, f"optim.schedule={self.schedule!r} is unknown: use one of {SCHEDULES}")
         _require(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
 
-    def lr_at(self, step: int, max_steps: int) -> float:
-        """Learning rate for optimizer step `step` (0-based): a pure function of the step, so the step alone
-        restores the schedule on resume."""
+    @property
+    def muon_lr(self) -> float:
+        return self.lr if self.muon.lr is None else self.muon.lr
+
+    @property
+    def muon_weight_decay(self) -> float:
+        return self.weight_decay if self.muon.weight_decay is None else self.muon.weight_decay
+
+    def lr_at(self, step: int, max_steps: int, peak: float | None = None) -> float:
+        """Learning rate for optimizer step `step` (0-based) of a parameter group whose peak is `peak` (None:
+        optim.lr): a pure function of the step, so the step alone restores the schedule on resume."""
+        peak = self.lr if peak is None else peak
         if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
+            return peak * (step + 1) / self.warmup_steps
         if self.schedule == "constant":
-            return self.lr
+            return peak
         progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
         if self.schedule == "linear":
             decay = 1.0 - progress
         else:
             decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay)
+        return peak * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay)
 
 
 @dataclass
@@ -468,6 +525,11 @@ class TrainConfig:
             "trainer.compile=true is not supported with ZeRO-3 (its parameter hooks gather inside the blocks that "
             "would be compiled): use distributed=zero2 or set trainer.compile=false",
         )
+        _require(
+            not (self.optim.name == "muon" and self.distributed.strategy == "deepspeed"),
+            "optim.name=muon does not run under distributed.strategy=deepspeed (ZeRO steps flat partitions, so no "
+            "rank holds a whole matrix to orthogonalise): use distributed=ddp or fsdp, or optim=adamw_cosine",
+        )
         self._check_attention_logits()
         self._check_expert_parallel()
         self._check_pipeline()
@@ -542,6 +604,7 @@ class TrainConfig:
             virtual_stages=pipeline.stages_per_rank if pp > 1 else 1,
             microbatches=(pipeline.microbatches or grad_accum) if pp > 1 else 1,
             layout=None if pipeline.layout is None else tuple(tuple(stage) for stage in pipeline.layout),
+            optimizer=self.optim.name,
         )
 
     def _check_expert_parallel(self) -> None:

@@ -1,7 +1,9 @@
-"""Expert weights and their AdamW moments stored by global expert id, so a run resumes at any expert-parallel size.
+"""Expert weights and their optimizer moments (AdamW's, or Muon's momentum) stored by global expert id, so a run
+resumes at any expert-parallel size.
 
     step_…/experts/experts_{first:05d}_{stop:05d}.safetensors   the expert rows [first, stop) of every MoE layer's
                                                                 w_gate / w_up / w_down, and `<name>.exp_avg(_sq)`
+                                                                (AdamW) or `<name>.momentum_buffer` (Muon)
 
 Under EP the ranks 0…EP-1 (one per expert block) each write their block and Accelerate's model file carries no
 expert tensor. A resume reads the rows its own block needs from whichever files hold them. A checkpoint written
@@ -23,7 +25,11 @@ from moe.expert_parallel import ExpertParallel, expert_parameters, is_expert_par
 from moe_platform.checkpoint.errors import CheckpointError
 
 EXPERTS_DIRNAME = "experts"
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state; its scalar `step` is the same for every parameter
+ADAMW_MOMENTS = (
+    "exp_avg",
+    "exp_avg_sq",
+)  # AdamW's per-element state; its scalar `step` is the same for every parameter
+MOMENTS = (*ADAMW_MOMENTS, "momentum_buffer")  # and Muon's (train/optimizers.py): a parameter has one kind or the other
 
 
 class ExpertCheckpoint:

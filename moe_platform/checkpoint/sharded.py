@@ -6,6 +6,7 @@ checkpoint loads at any other layout (world size, EP size, FSDP or HSDP, DDP or 
     step_…/dcp/__{rank}_0.distcp  that rank's chunks: `model.<name>` for every entry of the module's state dict
                                   (parameters, and buffers such as the routers' balancing bias) and
                                   `optim.<name>.{exp_avg,exp_avg_sq,step}` for AdamW's state of every parameter
+                                  (`optim.<name>.momentum_buffer` for a parameter Muon steps)
 
 Every tensor is saved under its global shape, so the files do not depend on the layout that wrote them. Under EP a
 rank's expert tensor is its block [E/EP, …] sharded again over its edp group; on the 2-D (ep, edp) expert mesh with
@@ -50,7 +51,7 @@ from moe_platform.checkpoint.layout import ACCELERATE, DCP, CheckpointLayout
 
 DCP_DIRNAME = "dcp"
 MODEL, OPTIM = "model.", "optim."
-ADAMW_STATE = (*MOMENTS, "step")
+OPTIMIZER_STATE = (*MOMENTS, "step")  # AdamW's m, v and step count; Muon's momentum
 
 
 class ShardedState:
@@ -237,7 +238,7 @@ class WholeTensors:
             if name not in held:  # another pipeline stage's
                 continue
             for key, value in saved["state"].get(index, {}).items():
-                if key not in ADAMW_STATE:
+                if key not in OPTIMIZER_STATE:
                     continue
                 if key in MOMENTS and self.expert_shards and is_expert_parameter(name):
                     # optimizer.bin holds rank 0's block of an expert-parallel run; the shards hold them all
@@ -252,7 +253,7 @@ def state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     tensors = {f"{MODEL}{name}": (name, tensor) for name, tensor in model.state_dict().items()}
     for name, parameter in model.named_parameters():
         for key, value in optimizer.state.get(parameter, {}).items():
-            if key in ADAMW_STATE:
+            if key in OPTIMIZER_STATE:
                 tensors[f"{OPTIM}{name}.{key}"] = (name, value)
     return tensors
 
@@ -274,8 +275,8 @@ def copy_into_shard(target: torch.Tensor, whole: torch.Tensor) -> None:
 
 @torch.no_grad()
 def materialize_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's lazily made state so that a checkpoint can be loaded into it: one step with zero gradients
-    at lr 0 (p ← p·(1 − 0·wd) − 0·m̂/(√v̂ + ε) leaves every weight as it was)."""
+    """Create AdamW's (and Muon's) lazily made state so that a checkpoint can be loaded into it: one step with zero
+    gradients at lr 0 (p ← p·(1 − 0·wd) − 0·m̂/(√v̂ + ε), or − 0·NS(0), leaves every weight as it was)."""
     fresh = [p for group in optimizer.param_groups for p in group["params"] if not optimizer.state.get(p)]
     if not fresh:
         return
@@ -326,10 +327,10 @@ def _tensor_keys(checkpoint: Path) -> set[str]:
 
 
 def _drop_state_not_saved(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Collection[str]) -> None:
-    """A parameter that had no AdamW state when the checkpoint was written (it never had a gradient) gets none
-    back: `materialize_adamw_state` made it one, whose step count would shift its first bias correction."""
+    """A parameter that had no optimizer state when the checkpoint was written (it never had a gradient) gets none
+    back: `materialize_adamw_state` made it one, whose step count would shift AdamW's first bias correction."""
     for name, parameter in model.named_parameters():
-        if parameter in optimizer.state and f"{OPTIM}{name}.step" not in saved:
+        if parameter in optimizer.state and not any(f"{OPTIM}{name}.{key}" in saved for key in OPTIMIZER_STATE):
             del optimizer.state[parameter]
 
 

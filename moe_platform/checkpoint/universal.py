@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moe_platform.checkpoint import manifest
 from moe_platform.checkpoint.errors import CheckpointError
-from moe_platform.checkpoint.experts import MOMENTS
+from moe_platform.checkpoint.experts import ADAMW_MOMENTS
 
 DEEPSPEED_TAG = "pytorch_model"  # the tag Accelerate gives DeepSpeed's save_checkpoint
 UNIVERSAL_DIRNAME = "universal"
@@ -111,7 +111,7 @@ def write_universal(engine, checkpoint: Path) -> None:
         # the loader opens zero/<name>/ with the name the engine gave the parameter
         name = optimizer.param_names[parameter]
         states = {"fp32": safe_get_full_fp32_param(parameter)}
-        states.update({key: safe_get_full_optimizer_state(parameter, key) for key in MOMENTS})
+        states.update({key: safe_get_full_optimizer_state(parameter, key) for key in ADAMW_MOMENTS})
         is_expert = getattr(parameter, "allreduce", True) is False
         if is_expert:  # (E_local, …) → (E, …): the EP ranks hold consecutive blocks in EP-rank order
             ep_group = groups._get_expert_parallel_group(parameter.group_name)

@@ -14,8 +14,9 @@ Gradients: a real backward cannot run on the meta device (the MoE dispatch reads
 moe/dispatch.py), so each gradient is allocated as the strategy leaves it: DDP's autograd `.grad` has the
 parameter's shape and dtype (`pipeline.sync_gradients` is called under PP: it allocates them so itself), FSDP2's
 reduce-scatter leaves a DTensor of the parameter's local shard in fp32 (its reduce dtype under bf16), which
-`zeros_like` of the sharded parameter is. Optimizer state: torch.optim.AdamW over the trainer's parameter groups
-(`optimizer_param_groups`) takes `step()` on the meta tensors, so m and v are the ones torch creates.
+`zeros_like` of the sharded parameter is. Optimizer state: the trainer's optimizer over its parameter groups
+(train/optimizers.py: AdamW, or Muon and AdamW) takes `step()` on the meta tensors, so m and v (and Muon's momentum
+buffers) are the ones it creates.
 
 Counts. `held` is what this rank's tensors cover: a DTensor's local shard, unpadded (FSDP2 pads its storage to
 ⌈rows / shards⌉ rows a rank; the padding is not counted, as in monitor/footprint.py). FSDP2 splits dim 0 as
@@ -44,8 +45,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from moe_platform.config import TrainConfig
 from moe_platform.parallel import expert_parallel, fsdp, pipeline
 from moe_platform.train.materialize import build_meta
+from moe_platform.train.optimizers import build_optimizer, param_groups
 from moe_platform.train.pipeline_step import PipelineTraining
-from moe_platform.train.trainer import adamw_kernel, optimizer_param_groups
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class RankElements:
 
     params: int | Fraction
     grads: int | Fraction
-    optimizer_state: int | Fraction  # AdamW's m and v (tensors with a dimension; not the step counter)
+    optimizer_state: int | Fraction  # AdamW's m and v, Muon's momentum (tensors with a dimension; not the step counter)
     param_bytes: int | Fraction
     grad_bytes: int | Fraction
     optimizer_bytes: int | Fraction
@@ -139,16 +140,9 @@ def give_gradients(model: nn.Module, split: PipelineTraining | None) -> None:
 
 
 def optimizer_state(model: nn.Module, config: TrainConfig) -> list[torch.Tensor]:
-    """AdamW's m and v after one real step over the trainer's parameter groups (the step counters left out)."""
-    optim = config.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        _chunked(optimizer_param_groups(model, config)),
-        lr=optim.lr,
-        betas=(optim.beta1, optim.beta2),
-        eps=optim.eps,
-        **adamw_kernel(optim.implementation, params),
-    )
+    """The optimizer's state after one real step over the trainer's parameter groups: AdamW's m and v, and under
+    optim.name=muon Muon's momentum buffers (the step counters left out)."""
+    optimizer = build_optimizer(_chunked(param_groups(model, config.optim)), config.optim)
     optimizer.step()
     return [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim > 0]
 

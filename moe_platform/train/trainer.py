@@ -59,8 +59,9 @@ from moe_platform.monitor.throughput import Throughput
 from moe_platform.parallel import deepspeed_experts, expert_parallel, fsdp
 from moe_platform.train.liveness import Liveness
 from moe_platform.train.materialize import build_meta
-from moe_platform.train.model_build import build_model, full_shape
+from moe_platform.train.model_build import build_model
 from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
+from moe_platform.train.optimizers import build_optimizer, param_groups
 from moe_platform.train.pipeline_step import PipelineTraining, token_mean_loss
 from moe_platform.train.preemption import PreemptionWatch
 from moe_platform.train.qk_clip import AttentionLogits
@@ -134,26 +135,6 @@ class LogWindow:
         self.start += time.perf_counter() - begin
 
 
-def optimizer_param_groups(model: torch.nn.Module, config: TrainConfig) -> list[dict[str, Any]]:
-    """Weight decay only on matrices (embeddings, projections, experts), not on norms or biases."""
-    # full_shape: a parameter built partitioned (ZeRO-3) is an empty placeholder until gathered.
-    decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and len(full_shape(p)) < 2]
-    return [
-        {"name": "decay", "params": decay, "weight_decay": config.optim.weight_decay},
-        {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def adamw_kernel(implementation: str, params: list[torch.nn.Parameter]) -> dict[str, bool]:
-    """torch.optim.AdamW's keyword for optim.implementation; "auto" is fused where every parameter's device has the
-    fused kernel (CPU and CUDA do in torch >= 2.4), else foreach."""
-    if implementation == "auto":
-        fused_devices = torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-        implementation = "fused" if all(p.device.type in fused_devices for p in params) else "foreach"
-    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
-
-
 class Trainer:
     def __init__(
         self,
@@ -187,6 +168,8 @@ class Trainer:
         model = build_model(config, accelerator, shard=self._sharding())
         faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
         self.model, self.optimizer = self._parallelize(model)
+        # Each group's peak lr, which the schedule scales every step (a resume restores the groups' last lr instead)
+        self.peak_lrs = [group["lr"] for group in self.optimizer.param_groups]
         # The module inside the engine, looked up once: Accelerate's unwrap_model reads package metadata on every
         # call (is_deepspeed_available), ~1% of a ZeRO-2 step when done per step.
         self.module = accelerator.unwrap_model(self.model)
@@ -319,9 +302,8 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
         """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm, the
         MoE layers' raw counts summed over the micro-batches, and whether the update was applied (nan_guard.py)."""
-        lr = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):
+            group["lr"] = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps, peak)
         if self.pipeline is not None:
             return self._pipeline_step(batches)
         lm_losses, aux_losses, stats, grad_norm, inputs, applied = [], [], {}, float("nan"), [], True
@@ -389,8 +371,8 @@ class Trainer:
         global id (DDP, single), and there the reader of an FSDP run's DCP shards; or under DeepSpeed with EP the
         universal copy and the experts restored into the module on load."""
         if self.pipeline is not None:  # a stage's part of the model, under the unsplit names
-            order = self.pipeline.whole_model_order(build_meta(self.config), partial(optimizer_param_groups,
-                                                                                     config=self.config))  # fmt: skip
+            whole_groups = partial(param_groups, optim=self.config.optim)
+            order = self.pipeline.whole_model_order(build_meta(self.config), whole_groups)
             return [ShardedState(model, self.optimizer, self.meshes.experts, order)]
         if self._fsdp:
             return [ShardedState(model, self.optimizer, self.meshes.experts)]
@@ -403,13 +385,12 @@ class Trainer:
         return parts
 
     def _build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        """AdamW; under DeepSpeed with EP the experts get their own parameter groups (parallel/deepspeed_experts.py)."""
-        optim = self.config.optim
-        groups = optimizer_param_groups(model, self.config)
+        """AdamW, or Muon with AdamW (optim.name, train/optimizers.py); under DeepSpeed with EP the experts get their
+        own parameter groups (parallel/deepspeed_experts.py)."""
+        groups = param_groups(model, self.config.optim)
         if self._deepspeed and self.expert_groups is not None:
             groups = deepspeed_experts.optimizer_param_groups(groups)
-        kernel = adamw_kernel(optim.implementation, [p for group in groups for p in group["params"]])
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **kernel)
+        return build_optimizer(groups, self.config.optim)
 
     def _clip_gradients(self) -> float:
         """The pre-clip global grad norm. DeepSpeed clips inside its step (gradient_clipping in its config)."""
@@ -529,7 +510,7 @@ class Trainer:
         return self.pipeline.dp_size if self.pipeline is not None else self.accelerator.num_processes
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
-        """The torch AdamW under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""
+        """The torch optimizer under Accelerate's and DeepSpeed's wrappers (its state holds this rank's shard)."""
         optimizer = self.optimizer
         while hasattr(optimizer, "optimizer"):
             optimizer = optimizer.optimizer

@@ -390,6 +390,16 @@ CONFIG_CASES = [
     config("compile_with_zero3", ["distributed=zero3", "trainer.compile=true"], "trainer.compile=true", "zero2"),
     config("unknown_adamw_kernel", ["optim.implementation=apex"], "optim.implementation='apex'", "'fused'"),
     config(
+        "muon_under_deepspeed", ["optim=muon", "distributed=zero2"], "optim.name=muon", "use distributed=ddp or fsdp"
+    ),
+    config("muon_keys_under_adamw", ["optim.muon.momentum=0.9"], "optim.muon.momentum=0.9", "use optim=muon"),
+    config(
+        "unknown_muon_lr_adjustment",
+        ["optim=muon", "optim.muon.adjust_lr=spectral"],
+        "optim.muon.adjust_lr",
+        "'match_rms_adamw'",
+    ),
+    config(
         "unknown_data_source",
         ["data.source=web"],
         "data.source='web'",

@@ -18,8 +18,8 @@ from moe_platform.config import TrainConfig, validate_launch
 from moe_platform.launch.compose import train_config
 from moe_platform.testing import FAST, run_distributed
 from moe_platform.train.model_build import build_model, full_shape
+from moe_platform.train.optimizers import param_groups
 from moe_platform.train.seeding import seed_initial_weights
-from moe_platform.train.trainer import optimizer_param_groups
 
 pytestmark = pytest.mark.slow
 WORLD = 2
@@ -99,7 +99,7 @@ def build_every_case_on_this_rank(
             "whole": sum(p.data.numel() for p in params),
             "peak_whole_during_build": peak[0],
             "shapes": {name: full_shape(p) for name, p in model.named_parameters()},
-            "decay_groups": [len(g["params"]) for g in optimizer_param_groups(model, config)],
+            "decay_groups": [len(g["params"]) for g in param_groups(model, config.optim)],
             "shard_dtypes": {p.ds_tensor.dtype for p in params},
             "tied": model.lm_head.weight is model.embed.weight,
         }
@@ -156,7 +156,7 @@ def test_zero3_ranks_hold_only_their_shard_during_and_after_the_build(builds, va
         assert held["peak_whole_during_build"] == largest_module < full / 4
         # Shapes, for code that looks at them before training (weight-decay groups), come from full_shape.
         assert held["shapes"] == {name: p.shape for name, p in plain.named_parameters()}
-        assert held["decay_groups"] == [len(g["params"]) for g in optimizer_param_groups(plain, config)]
+        assert held["decay_groups"] == [len(g["params"]) for g in param_groups(plain, config.optim)]
 
 
 @pytest.mark.parametrize("strategy", OTHER_STRATEGIES)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_platform.testing import moe_train, read_metrics
-from moe_platform.train.trainer import adamw_kernel
+from moe_platform.train.optimizers import adamw_kernel
 
 STEPS = ["model.n_layers=2", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0"]
 
