@@ -128,13 +128,20 @@ def test_a_qk_clip_it_cannot_run_is_refused_in_one_sentence(overrides: list[str]
 CLIPPED = ["optim.qk_clip=0.3", "optim.lr=0.02", "trainer.max_steps=8"]  # moe_tiny passes 0.3 at step ~5
 
 
+@pytest.fixture(scope="module")
+def clipped_one_process(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("qk_one")
+    moe_train(run_dir, *CLIPPED)
+    return run_dir
+
+
 @pytest.mark.slow
-def test_two_ranks_clip_like_one_process(tmp_path_factory) -> None:
-    one, two = tmp_path_factory.mktemp("qk_one"), tmp_path_factory.mktemp("qk_two")
-    moe_train(one, *CLIPPED)
-    moe_train(two, *CLIPPED, "distributed=ddp", nproc=2)
-    records = assert_trains_like(two, one)
-    reference = read_metrics(one)[0]
+@pytest.mark.parametrize("layout", [["distributed=ddp"], ["distributed=fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_clip_like_one_process(tmp_path: Path, clipped_one_process: Path, layout: list[str]) -> None:
+    """Under FSDP each rank rescales the rows of its own shards."""
+    moe_train(tmp_path, *CLIPPED, *layout, nproc=2)
+    records = assert_trains_like(tmp_path, clipped_one_process)
+    reference = read_metrics(clipped_one_process)[0]
     assert sum(r["attn/qk_clipped_heads"] for r in reference.values()) > 0, "τ must bite in this run"
     for step, record in records.items():
         layers = [key for key in reference[step] if key.startswith("attn/max_logit/layer_")]
