@@ -95,7 +95,8 @@ class Size:
     alert_consecutive_logs: int = 3  # logging's default
 
 
-# Sized by the pilot in bench/README.md: ~3.5 min a run on one thread of this 2-core VM.
+# Sized by the pilot in bench/README.md: dense-active measured ~3 min of CPU on one thread (0.44 s a step); the
+# others estimated from their FLOPs at up to ~1.4x that; 2 jobs on a quiet 2-core machine: ~25-35 min in all.
 FULL = Size(
     d_model=96, n_layers=4, n_heads=4, n_kv_heads=2, expert_d_ff=128, seq_len=256, global_batch=16, steps=400,
     lr=3e-3, warmup_steps=20, log_every=20, eval_every=0, val_fraction=0.01, val_max_batches=None,
@@ -371,7 +372,8 @@ ROUTING = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Run the bench, print its tables, and return what --json writes."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps, 1 seed, 2 rows + collapse")
     parser.add_argument("--rows", help="comma-separated rows (default: all; --quick: dense-active,moe-4x2,collapse)")
@@ -381,7 +383,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "moe_vs_dense")
     parser.add_argument("--json", type=Path, help="also write the corpus and every run's figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     size = QUICK if args.quick else FULL
     if args.seeds:
@@ -403,11 +405,13 @@ def main() -> None:
     results = run_all(size, [r for r in rows if r not in skipped], args.out, corpus, args.jobs, args.threads)
     print_results(size, corpus, rows, results, skipped)
     print(f"\nbench wall time {time.monotonic() - start:.0f} s ({args.jobs} job(s) x {args.threads} thread(s))")
+    summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped}
+    summary["runs"] = [asdict(r) for r in results]
     if args.json:
-        summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped}
-        args.json.write_text(json.dumps({**summary, "runs": [asdict(r) for r in results]}, indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
     if any(not math.isfinite(r.eval_loss) for r in results):
         raise SystemExit("a run's eval loss is not finite: see its run directory")
+    return summary
 
 
 if __name__ == "__main__":
