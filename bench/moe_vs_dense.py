@@ -12,8 +12,11 @@ the same question of our platform, at CPU size, through the real `moe-train`:
                      widths as moe-4x2, cut finer (DeepSeekMoE's segmentation and shared expert)
     moe-4x2-muon     moe-4x2 trained with `optim=muon` (its own lr), only where conf/optim/muon.yaml exists: another
                      branch adds Muon, this one does not, and the row says so instead of running
-    collapse         moe-4x2 with model.moe.aux_loss_coef=0 and no balancing bias (one seed): the routing alert
-                     (moe_platform/monitor/alerts.py) must fire within the run, and moe-report's HTML must show it
+    balanced-8x2     8 routed experts of width F, top-2, aux 0.01: the collapse row's control (one seed, short)
+    collapse         balanced-8x2 with model.moe.aux_loss_coef=0 and no balancing bias (one seed, short): the routing
+                     alert (moe_platform/monitor/alerts.py) must fire within the run, and moe-report's HTML show it.
+                     Not moe-4x2: a layer's MaxVio is at most E/K - 1, which is 1 for 4 experts top-2, so the default
+                     logging.alert_maxvio=1.0 can never fire there (only a dead expert could); 8 top-2 goes up to 3
 
 Corpus: the Python standard library's own source (`sysconfig.get_paths()["stdlib"]`, every *.py outside
 site-packages, tests included), read in sorted path order: human-written code and docstrings that every Python
