@@ -123,7 +123,7 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
         "moe-4x2": moe_4x2,
         "dense-total": ["model=dense_tiny", f"model.d_ff={4 * F}"],
         "moe-fine-shared": [*fine_shared, f"model.moe.expert_d_ff={F // 2}"],
-        "moe-4x2-muon": [*moe_4x2, "optim=muon"],
+        "moe-4x2-muon": [*moe_4x2, "optim=muon"],  # Muon's own lr from its yaml; the same warmup and steps
         "balanced-8x2": moe_8x2,
         "collapse": [*moe_8x2, "model.moe.aux_loss_coef=0", "model.moe.router.bias_update_rate=0"],
     }
@@ -204,7 +204,7 @@ def common_overrides(size: Size, corpus: Corpus, seed: int) -> list[str]:
         "data=tokenized", f"data.tokenized.path={corpus.shards}", f"data.seq_len={size.seq_len}",
         f"data.global_batch_size={size.global_batch}", f"trainer.micro_batch_size={size.global_batch}",
         f"data.val.fraction={size.val_fraction}", f"data.val.max_batches={val_max}", f"data.seed={seed}",
-        "optim=adamw_cosine", f"optim.lr={size.lr}", f"optim.warmup_steps={size.warmup_steps}",
+        f"optim.warmup_steps={size.warmup_steps}",
         f"trainer.max_steps={size.steps}", f"trainer.log_every={size.log_every}",
         f"trainer.eval_every={size.eval_every}", f"trainer.seed={seed}", "trainer.save_final=false",
         f"logging.alert_consecutive_logs={size.alert_consecutive_logs}",
@@ -289,7 +289,8 @@ def run_all(size: Size, rows: list[str], out: Path, corpus: Corpus, jobs: int, t
         server = servers.get()
         try:
             run_size = replace(size, steps=size.collapse_steps, eval_every=0) if row in COLLAPSE_ROWS else size
-            args = [*common_overrides(run_size, corpus, seed), *overrides[row]]
+            adamw = [] if "optim=muon" in overrides[row] else ["optim=adamw_cosine", f"optim.lr={size.lr}"]
+            args = [*adamw, *common_overrides(run_size, corpus, seed), *overrides[row]]
             result = run_one(server, row, seed, args, out, threads)
         finally:
             servers.put(server)
