@@ -58,9 +58,9 @@ class AttentionLogits:
         self.window_max_LH = max_LH if self.window_max_LH is None else torch.maximum(self.window_max_LH, max_LH)
         if self.tau is None:
             return
+        self.clipped_heads += int((max_LH > self.tau).sum())  # every layer's, this rank's stages or not
         for layer, module in self.layers.items():
-            gamma_H = (self.tau / max_LH[layer]).clamp(max=1.0)  # -inf (no forward seen) gives 1: untouched
-            self.clipped_heads += int((gamma_H < 1).sum())
+            gamma_H = (self.tau / max_LH[layer]).clamp(max=1.0)
             if bool((gamma_H < 1).any()):
                 clip_heads_(module, gamma_H)
 

@@ -136,9 +136,14 @@ def clipped_one_process(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["distributed=ddp"], ["distributed=fsdp"]], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    "layout",
+    [["distributed=ddp"], ["distributed=fsdp"], ["distributed=ddp", "distributed.pipeline_parallel_size=2"]],
+    ids=["ddp", "fsdp", "pp2"],
+)
 def test_two_ranks_clip_like_one_process(tmp_path: Path, clipped_one_process: Path, layout: list[str]) -> None:
-    """Under FSDP each rank rescales the rows of its own shards."""
+    """Under FSDP each rank rescales the rows of its own shards; under PP each stage its own layers, with every
+    layer's maximum (and count of clipped heads) known to both."""
     moe_train(tmp_path, *CLIPPED, *layout, nproc=2)
     records = assert_trains_like(tmp_path, clipped_one_process)
     reference = read_metrics(clipped_one_process)[0]
