@@ -67,6 +67,12 @@ def _these(keys: list[str], one: str, several: str) -> str:
     return f"{' and '.join(keys)} {one if len(keys) == 1 else several}"
 
 
+def _set_up_but(keys: list[str], what: str, but: str, fix: str) -> str:
+    """'<keys> set(s) <what> up but <but>: <fix>, or drop it/them': the refusal of keys set for a component the
+    config leaves off."""
+    return f"{_these(keys, 'sets', 'set')} {what} up but {but}: {fix}, or drop {'it' if len(keys) == 1 else 'them'}"
+
+
 @dataclass
 class MuonConfig:
     """Muon's own settings (optim.name=muon, train/optimizers.py): it steps the hidden weight matrices, AdamW (the
@@ -131,8 +137,7 @@ class OptimConfig:
         muon_keys = _changed(self.muon, "optim.muon.")
         _require(
             self.name == "muon" or not muon_keys,
-            f"{_these(muon_keys, 'sets', 'set')} Muon up but optim.name={self.name!r}: use optim=muon, or drop "
-            f"{'it' if len(muon_keys) == 1 else 'them'}",
+            _set_up_but(muon_keys, "Muon", f"optim.name={self.name!r}", "use optim=muon"),
         )
         _require(
             self.qk_clip is None or self.qk_clip > 0,
@@ -271,10 +276,10 @@ class DistributedConfig:
                 "pick distributed=zero1/zero2/zero3/zero3_offload",
             )
         fsdp_keys = _changed(self.fsdp, "distributed.fsdp.")
+        strategy = f"distributed.strategy={self.strategy!r}"
         _require(
             self.strategy == "fsdp" or not fsdp_keys,
-            f"{_these(fsdp_keys, 'sets', 'set')} FSDP2 up but distributed.strategy={self.strategy!r}: use "
-            f"distributed=fsdp or distributed=hsdp, or drop {'it' if len(fsdp_keys) == 1 else 'them'}",
+            _set_up_but(fsdp_keys, "FSDP2", strategy, "use distributed=fsdp or distributed=hsdp"),
         )
         _require(
             not self.offload_optimizer or self.zero_stage >= 1,
@@ -301,8 +306,7 @@ class DistributedConfig:
         pipeline_keys = _changed(self.pipeline, "distributed.pipeline.")
         _require(
             pp > 1 or not pipeline_keys,
-            f"{_these(pipeline_keys, 'sets', 'set')} a pipeline up but distributed.pipeline_parallel_size=1: set "
-            f"it above 1, or drop {'it' if len(pipeline_keys) == 1 else 'them'}",
+            _set_up_but(pipeline_keys, "a pipeline", "distributed.pipeline_parallel_size=1", "set it above 1"),
         )
         if pp == 1:
             return

@@ -87,16 +87,14 @@ def moe_train(
     imports done once); "torchrun" or "accelerate" launch it through that launcher. A free port can be taken by
     another process between choosing and binding it, so a launch that fails on its port is retried once on a new
     one."""
-    args = [*FAST, *overrides, f"hydra.run.dir={run_dir}"]
+    args, run_env = [*FAST, *overrides, f"hydra.run.dir={run_dir}"], {**subprocess_env(), **(env or {})}
     for attempt in range(2):
         if launcher is None:
             command = [f"prestarted moe-train x{nproc}", *args]
-            result = PRESTARTED.run(args, nproc, {**subprocess_env(), **(env or {})}, timeout)
+            result = PRESTARTED.run(args, nproc, run_env, timeout)
         else:
             command = _launch_command(launcher, nproc, args)
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **(env or {})}
-            )
+            result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=run_env)
         port_taken = any(marker in result.stderr for marker in PORT_TAKEN)
         if result.returncode == 0 or not port_taken or attempt == 1:
             break

@@ -76,8 +76,8 @@ def run_rank(cli: ModuleType, request: dict, rank: int) -> None:
         cli.main()  # leaves through os._exit(0) when the run finishes
         code = 0
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if stop.code is not None and not isinstance(stop.code, int):
+        code = system_exit_code(stop)
+        if stop.code is not None and not isinstance(stop.code, int):  # as the interpreter reports sys.exit("...")
             print(stop.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
@@ -85,6 +85,11 @@ def run_rank(cli: ModuleType, request: dict, rank: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def system_exit_code(stop: SystemExit) -> int:
+    """The process exit code the interpreter gives `sys.exit(code)`: an int as is, None 0, anything else 1."""
+    return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
 
 
 def exit_code(status: int) -> int:

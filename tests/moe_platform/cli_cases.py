@@ -81,12 +81,13 @@ def _child(case: dict, stdout: Path, stderr: Path, tripwire: Path) -> None:
         dist.distributed_c10d.init_process_group = started
         sys.argv = [str(Path(sys.executable).parent / "moe-train"), *case["argv"]]
         from moe_platform.launch import cli
+        from moe_platform.launch.prestarted import system_exit_code
 
         try:
             cli.main()
             code = 0
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            code = system_exit_code(exit_)
     except BaseException:
         traceback.print_exc()
     finally:
