@@ -32,7 +32,7 @@ from moe.ledger import (
     activation_bytes_per_rank,
     expert_received_bytes,
     held_params_by_rank,
-    sharding_transient_bytes,
+    sharding_peak_bytes,
     training_state_bytes_per_rank,
 )
 from moe.model import Transformer
@@ -73,20 +73,41 @@ def measure_peak(device: torch.device | str, start_bytes: float | None = None) -
     result.start_bytes = float(live_cpu_storage_bytes() if start_bytes is None else start_bytes)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         yield result
-    # The allocator does not report frees of blocks allocated before the profiler started (torch warns once), so
-    # a storage alive at the start and freed inside counts as held to the end: an upper bound by its bytes (in a
-    # training step, the previous step's batch).
+    result.peak_bytes = result.start_bytes + _highest_running_sum(prof)
+    result.method = "CPU allocator records (torch.profiler, profile_memory=True)"
+
+
+def _highest_running_sum(prof: torch.profiler.profile) -> float:
+    """The highest running sum of the step's CPU allocation records (frees negative), in time order.
+
+    The profiler records only what threads it profiles allocate and free. A tensor whose last reference a gloo worker
+    thread drops (a collective's buffer, when the worker finishes after the caller moved on: a race, run to run)
+    is freed unrecorded, and would count as held to the end. The allocator reuses freed addresses, so an
+    allocation at an address a recorded block still holds proves that block was freed: its bytes leave the sum
+    there, the latest moment it can have been freed. And the allocator does not report frees of blocks allocated
+    before the profiler started (torch warns once), so such a block freed inside counts as held to the end. Both
+    keep the figure an upper bound, by at most the bytes of blocks freed unrecorded and never reused."""
     records = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        (event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size)
+        for event in _every_event(prof.profiler.kineto_results.experimental_event_tree())
+        if event.tag == torch._C._profiler._EventType.Allocation and event.extra_fields.device.type == "cpu"
     )
     held = highest = 0
-    for _, nbytes in records:
-        held += nbytes
+    blocks: dict[int, int] = {}  # address: bytes, of blocks allocated inside and not yet freed
+    for _, address, nbytes in records:
+        if nbytes > 0:
+            held += nbytes - blocks.get(address, 0)  # a block still here was freed unrecorded
+            blocks[address] = nbytes
+        elif blocks.pop(address, None) is not None:
+            held += nbytes
         highest = max(highest, held)
-    result.peak_bytes = result.start_bytes + highest
-    result.method = "CPU allocator records (torch.profiler, profile_memory=True)"
+    return highest
+
+
+def _every_event(events):
+    for event in events:
+        yield event
+        yield from _every_event(event.children)
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -125,7 +146,7 @@ def live_cpu_storage_bytes() -> int:
 class PeakPrediction:
     """The ledger's per-rank bytes for one training step: training state, one micro-batch's activations, and under
     FSDP and ZeRO-3 what they gather, its unsharded gradients and reduce-scatter input
-    (`moe.ledger.sharding_transient_bytes`)."""
+    (`moe.ledger.sharding_peak_bytes`: under FSDP2 the gradients and reduce-scatter input beyond a block's)."""
 
     state_bytes: float
     activation_bytes: float
@@ -149,7 +170,7 @@ def predict_peak(config: ModelConfig, run: RunShape, pipeline_rank: int | None =
     def of_rank(p: int | None) -> PeakPrediction:
         state = training_state_bytes_per_rank(config, run, p)
         activations = activation_bytes_per_rank(config, run, p)
-        return PeakPrediction(state.total, activations, sharding_transient_bytes(config, run, p).total)
+        return PeakPrediction(state.total, activations, sharding_peak_bytes(config, run, p))
 
     if run.pipeline_size == 1 or pipeline_rank is not None:
         return of_rank(pipeline_rank)
@@ -183,7 +204,7 @@ class RankMemory:
     gradients: float
     optimizer: float  # AdamW m, v + DeepSpeed's fp32 master partition
     activations: float  # ledger's activations at the peak (pipeline: every micro-batch in flight)
-    gathered: float  # FSDP2 / ZeRO-3 gathered units, unsharded grads, reduce-scatter input
+    gathered: float  # FSDP2 / ZeRO-3 gathered units, unsharded grads, reduce-scatter input (sharding_peak_bytes)
     buffers: float  # communication buffers: DDP's gradient buckets, DeepSpeed's IPG buckets, flat all-reduce inputs
     offloaded: float = 0.0  # bytes ZeRO-Offload / FSDP cpu_offload moves to host memory (NOT in total)
 
@@ -248,7 +269,7 @@ def rank_peak(
     activations = activation_bytes_per_rank(model, run, pipeline_rank)
     if run.ep_size > 1:
         activations += (imbalance - 1) * expert_received_bytes(model, run, pipeline_rank)
-    gathered = sharding_transient_bytes(model, run, pipeline_rank).total
+    gathered = sharding_peak_bytes(model, run, pipeline_rank)
     if run.zero_stage == 3:
         gathered += _zero3_persistent_params(model) * PARAM_DTYPE_BYTES[run.precision]
     held, transient = _buffers(config, run, pipeline_rank, on_gpu)

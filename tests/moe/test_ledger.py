@@ -29,6 +29,7 @@ from moe.ledger import (
     _human,
     fsdp_unit_params,
     mha_kv_cache_bytes,
+    sharding_peak_bytes,
     sharding_transient_bytes,
     stored_params_per_rank,
     training_state_bytes,
@@ -493,6 +494,22 @@ def test_fsdp_transient_is_the_root_and_largest_blocks_gathered_and_reduced(conf
     assert gathered == sorted(gathered, reverse=True) and gathered[-1] < gathered[0]
     for stage in (0, 1, 2):
         assert sharding_transient_bytes(config, RunShape(zero_stage=stage, dp_size=8, ep_size=2)).total == 0
+
+
+@pytest.mark.parametrize("config", EP_CONFIGS)
+def test_fsdp_peak_counts_the_gathered_units_and_the_gradients_beyond_a_blocks_activations(config: ModelConfig) -> None:
+    """gathered ≤ peak transient ≤ gathered + gradients + reduce-scatter, the gradients' part shrinking as a block's
+    activations grow (longer sequences); ZeRO-3 keeps the sum."""
+    for ep in _ep_sizes(config):
+        beyond = []
+        for seq_len in (8, 64, 512):
+            run = replace(_fsdp(4 * config.moe.num_experts, ep), seq_len=seq_len)
+            transient, peak = sharding_transient_bytes(config, run), sharding_peak_bytes(config, run)
+            assert transient.gathered <= peak <= transient.total
+            beyond.append(peak - transient.gathered)
+        assert beyond == sorted(beyond, reverse=True)
+    zero3 = RunShape(zero_stage=3, dp_size=8)
+    assert sharding_peak_bytes(config, zero3) == sharding_transient_bytes(config, zero3).total
 
 
 @pytest.mark.parametrize("config", [ModelConfig(**_SMALL), *EP_CONFIGS])

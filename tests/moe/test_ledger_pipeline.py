@@ -26,6 +26,7 @@ from moe.ledger import (
     pipeline_activation_bytes,
     pipeline_fsdp_unit_params,
     pipeline_layout,
+    sharding_peak_bytes,
     sharding_transient_bytes,
     stored_params_per_rank,
     training_state_bytes,
@@ -150,7 +151,7 @@ def test_without_a_pipeline_every_figure_is_the_unpipelined_one(name: str, layou
     assert activations_in_flight(run, 0) == 1
     prediction = predict_peak(config, run)
     assert prediction.state_bytes == unpipelined.total
-    assert prediction.transient_bytes == sharding_transient_bytes(config, run).total
+    assert prediction.transient_bytes == sharding_peak_bytes(config, run)
     assert "Pipeline" not in format_ledger(config, run)
 
 

@@ -100,10 +100,10 @@ def test_predicted_peak_is_within_10_percent_of_every_ranks_measured_peak(tmp_pa
     measured, predicted = record["memory/peak_bytes_per_rank"], record["plan/peak_bytes_per_rank"]
     assert len(measured) == len(predicted) == ranks
     # The worst rank, the one a layout's fit is decided by, within 10%. Every rank within 10% too, except under
-    # FSDP2: on gloo its asynchronous collectives finish at varying times, so which gathered blocks are live at a
-    # rank's peak varies, and ranks of one run spread by up to ±13% around the one figure the model gives them (two
-    # CI runs, 2026-12-02); each of its ranks is held within 20%.
+    # FSDP2: on gloo its asynchronous all-gathers finish at varying times, so whether the prefetched block is live at
+    # a rank's peak varies, and ranks of one run spread by up to ±9% around the one figure the model gives them
+    # (20 runs, 2026-12-03); each of its ranks is held within 15%.
     assert max(predicted) == pytest.approx(max(measured), rel=0.10), (name, measured, predicted)
-    per_rank = 0.20 if "fsdp" in name or "hsdp" in name else 0.10
+    per_rank = 0.15 if "fsdp" in name or "hsdp" in name else 0.10
     for rank, (held, planned) in enumerate(zip(measured, predicted, strict=True)):
         assert planned == pytest.approx(held, rel=per_rank), (name, rank, measured, predicted)
