@@ -186,6 +186,11 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
 
 def _check_layout(config: ModelConfig, run: RunShape) -> None:
     _check_pipeline(run)
+    if run.pipeline_size > 1 and config.mtp.depth:
+        raise ValueError(
+            f"pipeline_size={run.pipeline_size} is not modelled with model.mtp.depth={config.mtp.depth} (the trainer "
+            "refuses it too): use pipeline_size=1 or mtp depth 0"
+        )
     _check_expert_parallel(config, run.ep_size, run.dp_size)
     R = run.replicate_size
     if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
@@ -373,12 +378,14 @@ class ShardingTransientBytes:
 
 def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
     """The parameters of each unit FSDP gathers whole, root (embeddings, final norm, lm head) first, then every block
-    with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block)."""
+    with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block),
+    then every MTP module (its block, with its norms and M_k)."""
     params = count_parameters(config)
     units = [params.embedding + params.lm_head + norm_num_params(config)]
-    for layer in range(config.n_layers):
+    for layer in range(config.num_blocks):
         dense, routed = _block_params(config, layer)
-        units.append(dense + routed // ep_size)
+        mtp_extra = 3 * norm_num_params(config) + 2 * config.d_model**2 if layer >= config.n_layers else 0
+        units.append(dense + mtp_extra + routed // ep_size)
     return units
 
 
@@ -468,7 +475,8 @@ def all_to_all_bytes_per_step(
     _check_expert_parallel(config, ep_size)
     if ep_size == 1:
         return 0.0
-    moe_layers = sum(config.is_moe_layer(layer) for layer in (range(config.n_layers) if layers is None else layers))
+    all_blocks = range(config.num_blocks)  # the MTP modules' blocks too
+    moe_layers = sum(config.is_moe_layer(layer) for layer in (all_blocks if layers is None else layers))
     assignments = tokens_per_micro_batch * config.moe.top_k
     per_micro_batch = 4 * moe_layers * assignments * (ep_size - 1) / ep_size * config.d_model * bytes_per_element
     return per_micro_batch * micro_batches_per_step
@@ -524,10 +532,11 @@ class ActivationBytes:
     dispatch: float  # MoE dispatch buffers: the A gathered rows, combine's [N, K, D] and the index tensors
     logits: float  # final norm, the [N, V] logits, cross-entropy's fp32 log-probabilities and their gradients
     recompute: float  # under checkpointing, the largest piece rebuilt in backward, beyond the logits' fp32 bytes
+    mtp: float = 0  # the MTP modules (moe/mtp.py): their norms, M_k's input, blocks, logits and their gradients
 
     @property
     def total(self) -> float:
-        return self.attention + self.ffn + self.moe + self.dispatch + self.logits + self.recompute
+        return self.attention + self.ffn + self.moe + self.dispatch + self.logits + self.recompute + self.mtp
 
 
 def _norm_bytes(config: ModelConfig, num_tokens: int, s: int) -> int:
@@ -665,6 +674,8 @@ def activation_bytes(
     `attention_mask` (padding, or packed documents' block-diagonal mask): SDPA keeps the mask converted to the
     activations' dtype, B·S²·s per layer. ALiBi instead keeps its float bias once (`_alibi_bias_bytes`), with
     any mask folded in. MLA's attention sub-layers: `_mla_attention_bytes`.
+    With `head`, the MTP modules too (`mtp`): module k is a block over B·(S - k) tokens, its input norms, M_k's
+    input, its norm, logits and their gradients (`_logits_bytes`).
     Under bf16 autocast (fp32 weights) the norms stay fp32 and each linear keeps a bf16 copy of its input: this
     estimate, written for activations in the weights' dtype, undercounts that case.
     """
@@ -705,10 +716,23 @@ def activation_bytes(
     if not head:
         return ActivationBytes(attention, ffn, moe, dispatch, 0, recompute)
     logits = sum(_logits_bytes(config, N, s))
+    mtp = 0
+    for k in range(1, config.mtp.depth + 1):  # module k over the S - k positions with a token k ahead
+        S_k = seq_len - k
+        N_k = micro_batch_size * S_k
+        block = activation_bytes(
+            config, micro_batch_size, S_k, precision, checkpointing, attention_mask, layers=[config.n_layers + k - 1],
+            head=False,
+        )  # fmt: skip
+        # The two input norms keep their inputs and statistics but not their outputs, which only the concatenation
+        # reads (M_k keeps that, 2·N·D·s); the hidden norm's input is the final norm's output, counted by the head.
+        inputs = 2 * _norm_bytes(config, N_k, s) - 3 * N_k * D * s + 2 * N_k * D * s
+        mtp += inputs + block.attention + block.ffn + block.moe + block.dispatch + sum(_logits_bytes(config, N_k, s))
+        recompute = max(recompute, block.recompute)
     # Backward rebuilds the last checkpointed piece after cross-entropy's backward has freed the log-probabilities
     # and their gradients, so the rebuilt piece only counts beyond those 3·N·V·4 bytes.
     recompute = max(0, recompute - 3 * N * config.vocab_size * 4)
-    return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute)
+    return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute, mtp)
 
 
 def _logits_bytes(config: ModelConfig, num_tokens: int, s: int) -> tuple[int, int]:
@@ -833,7 +857,7 @@ def expert_received_bytes(config: ModelConfig, run: RunShape, pipeline_rank: int
 
     def of_rank(p: int) -> float:
         if run.pipeline_size == 1:
-            layers_in_flight = [(list(range(config.n_layers)), 1)]
+            layers_in_flight = [(list(range(config.num_blocks)), 1)]  # with the MTP modules' blocks
         else:
             layout = pipeline_layout(config, run)
             counts = in_flight(
@@ -907,6 +931,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("attention", f"{params.attention:,}", attention_note),
                 ("ffn / experts", f"{params.ffn_total:,}", "dense FFNs, experts, routers, shared experts"),
                 ("norms", f"{params.norms:,}", f"{config.norm}: γ{' and β' if config.norm == 'layernorm' else ''}"),
+                *_mtp_rows(config, params.mtp_total, "norms, M_k, block; embedding and head shared"),
             ],
         ),
         _training_state_table(config, run, state, rank),
@@ -918,6 +943,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("attention", _human(flops.attention, "FLOP"), attention_flops_note),
                 ("ffn", _human(flops.ffn, "FLOP"), "active experts only" if config.moe else "dense FFN"),
                 ("lm head", _human(flops.lm_head, "FLOP"), "2 · D · V"),
+                *_mtp_rows(config, _human(flops.mtp, "FLOP"), "per module M_k, a block, the shared head"),
                 ("forward", _human(flops.forward, "FLOP"), "excludes softmax, norms, activations, memory traffic"),
                 ("training step", _human(flops.training, "FLOP"), "≈ 3 × forward"),
             ],
@@ -929,6 +955,19 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     if run.pipeline_size > 1:
         tables.insert(2, _pipeline_table(config, run))
     return "\n\n".join(tables)
+
+
+def _mtp_rows(config: ModelConfig, value, note: str) -> list[tuple[str, str, str]]:
+    """A table's row for the MTP modules, only in a model that has them."""
+    if not config.mtp.depth:
+        return []
+    return [
+        (
+            f"mtp ({config.mtp.depth} module{'s' if config.mtp.depth > 1 else ''})",
+            f"{value:,}" if isinstance(value, int) else value,
+            note,
+        )
+    ]
 
 
 def _layout(run: RunShape) -> str:
@@ -1175,6 +1214,7 @@ def _activation_table(config: ModelConfig, run: RunShape) -> str:
         ]
     rows += [
         ("logits", _human(acts.logits, "B"), "final norm, N·V logits, fp32 log-probs and their gradients"),
+        *_mtp_rows(config, _human(acts.mtp, "B"), "per module k: a block over B·(S-k) tokens, norms, its logits"),
         ("recompute", _human(acts.recompute, "B"), "the largest checkpointed piece, rebuilt once at a time"),
         (
             f"activations per micro-batch ({run.checkpointing})",
