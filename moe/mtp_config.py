@@ -32,5 +32,5 @@ class MTPConfig:
         if self.depth > 0 and not self.loss_weight > 0:
             raise ModelConfigError(
                 f"model.mtp.loss_weight={self.loss_weight} must be positive with model.mtp.depth={self.depth} (its "
-                "modules would learn nothing): use e.g. 0.3, or model.mtp.depth=0"
+                "modules would learn nothing): use 0.3 as DeepSeek-V3 does, or model.mtp.depth=0"
             )
