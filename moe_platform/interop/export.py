@@ -27,7 +27,9 @@ def write_beside(directory: Path, tensors: dict[str, torch.Tensor], file_name: s
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    save_file({name: t.contiguous() for name, t in tensors.items()}, directory / file_name, metadata={"format": "pt"})
+    # Copies: a tied model's embedding and head copies are one tensor, which safetensors will not write twice.
+    copies = {name: t.detach().clone().contiguous() for name, t in tensors.items()}
+    save_file(copies, directory / file_name, metadata={"format": "pt"})
     index_path = directory / "model.safetensors.index.json"
     if index_path.is_file():
         index = json.loads(index_path.read_text())

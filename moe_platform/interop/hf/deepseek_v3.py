@@ -251,7 +251,7 @@ def weights_to_hf(config: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[s
 
 def _mtp_layer_norms_to_hf(sd: Mapping[str, torch.Tensor], ours: str) -> dict[str, torch.Tensor]:
     """MTP module `ours`'s norms under their HF names (its block's two norms among them)."""
-    return {hf_name: sd[f"{ours}.{our_name}.weight"] for our_name, hf_name in _MTP_NORMS.items()}
+    return {f"{hf_name}.weight": sd[f"{ours}.{our_name}.weight"] for our_name, hf_name in _MTP_NORMS.items()}
 
 
 # our name inside mtp.{k-1} → HF's inside model.layers.{L+k-1}
@@ -307,7 +307,7 @@ def weights_from_hf(config: ModelConfig, hf: object, tensors: HFTensors) -> dict
     for k in range(1, config.mtp.depth + 1):
         ours, theirs = f"mtp.{k - 1}", f"model.layers.{config.n_layers + k - 1}"
         for our_name, hf_name in _MTP_NORMS.items():
-            out[f"{ours}.{our_name}.weight"] = tensors.reader(f"{theirs}.{hf_name}")
+            out[f"{ours}.{our_name}.weight"] = tensors.reader(f"{theirs}.{hf_name}.weight")
         out[f"{ours}.proj.weight"] = _hidden_first(tensors.reader(f"{theirs}.eh_proj.weight"))
         out |= _layer_from_hf(config, tensors, interleaved, config.n_layers + k - 1, f"{ours}.block", theirs)
     return out
