@@ -186,11 +186,7 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
 
 def _check_layout(config: ModelConfig, run: RunShape) -> None:
     _check_pipeline(run)
-    if run.pipeline_size > 1 and config.mtp.depth:
-        raise ValueError(
-            f"pipeline_size={run.pipeline_size} is not modelled with model.mtp.depth={config.mtp.depth} (the trainer "
-            "refuses it too): use pipeline_size=1 or mtp depth 0"
-        )
+    _check_no_mtp(config, run)
     _check_expert_parallel(config, run.ep_size, run.dp_size)
     R = run.replicate_size
     if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
@@ -233,9 +229,18 @@ Figure = TypeVar("Figure")
 
 def pipeline_layout(config: ModelConfig, run: RunShape) -> StageLayout:
     """The stages the trainer builds: `run.layout` (checked by parse_layout), else the FLOP-balanced layout."""
+    _check_no_mtp(config, run)
     if run.layout is not None:
         return parse_layout([list(stage) for stage in run.layout], config.n_layers, run.pipeline_size, run.schedule)
     return balanced_layout(config, run.seq_len, run.pipeline_size, run.schedule, run.virtual_stages)
+
+
+def _check_no_mtp(config: ModelConfig, run: RunShape) -> None:
+    if run.pipeline_size > 1 and config.mtp.depth:
+        raise ValueError(
+            f"pipeline_size={run.pipeline_size} is not modelled with model.mtp.depth={config.mtp.depth} (the trainer "
+            "refuses it too): use pipeline_size=1 or mtp depth 0"
+        )
 
 
 def _check_pipeline(run: RunShape) -> None:
