@@ -15,6 +15,7 @@ from moe.errors import ModelConfigError
 from moe.ffn import ffn_num_params
 from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig
+from moe.mtp_config import MTPConfig
 
 ATTENTIONS = ("gqa", "mla")
 POS_ENCODINGS = ("learned", "rope", "alibi")
@@ -57,6 +58,7 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     moe: Optional[MoEConfig] = None
+    mtp: MTPConfig = field(default_factory=MTPConfig)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
@@ -124,6 +126,13 @@ class ModelConfig:
         _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive, e.g. 1e-5")
         _require(0.0 <= self.dropout < 1.0, f"model.dropout={self.dropout} must lie in [0, 1)")
         _require(self.init_std > 0, f"model.init_std={self.init_std} must be positive, e.g. 0.02")
+        if isinstance(self.mtp, dict):  # as for mla above
+            self.mtp = MTPConfig(**self.mtp)
+        _require(
+            self.mtp.depth < self.max_seq_len,
+            f"model.mtp.depth={self.mtp.depth} predicts past the model.max_seq_len={self.max_seq_len} positions of a "
+            "window: lower the depth",
+        )
         if self.moe is not None:
             _require(
                 self.moe.first_dense_layers < self.n_layers,
@@ -141,7 +150,16 @@ class ModelConfig:
         """Query heads per KV head: query head h reads KV head h // group_size."""
         return self.n_heads // self.n_kv_heads
 
+    @property
+    def num_blocks(self) -> int:
+        """Transformer blocks the model builds: the L layers, then one per MTP module (moe/mtp.py)."""
+        return self.n_layers + self.mtp.depth
+
     def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block `layer_idx` has an MoE FFN. Indices L … L + D - 1 are the MTP modules' blocks (numbered as
+        Hugging Face's DeepSeek-V3 checkpoints number them), each built like the last layer, as DeepSeek-V3's."""
+        if self.n_layers <= layer_idx < self.num_blocks:
+            layer_idx = self.n_layers - 1
         return self.moe is not None and self.moe.is_moe_layer(layer_idx, self.n_layers)
 
     def num_params(self) -> int:
@@ -161,17 +179,30 @@ class ParameterCount:
     ffn_total: int  # all dense FFNs + all experts, routers and shared experts
     ffn_active: int  # what one token touches: dense FFNs + per MoE layer router, top-k experts, shared experts
     norms: int
-    # The E routed experts of every MoE layer, a part of ffn_total: what expert parallelism divides among ranks
-    # (routers and shared experts stay replicated).
+    # The E routed experts of every MoE layer (the MTP modules' too), a part of ffn_total and mtp_total: what
+    # expert parallelism divides among ranks (routers and shared experts stay replicated).
     routed_experts: int = 0
+    # The MTP modules (moe/mtp.py) without the embedding and head they share with the main model: per module two
+    # input norms, M_k (2D·D), one block, and the norm before the head. All the fields above are the main model's.
+    mtp_total: int = 0
+    mtp_active: int = 0  # their part of what one training token touches: the block's router, top-k, shared experts
 
     @property
-    def total(self) -> int:
+    def main_total(self) -> int:
+        """The main model alone: what inference runs (and what DeepSeek-V3's 671B counts)."""
         return self.embedding + self.lm_head + self.attention + self.ffn_total + self.norms
 
     @property
-    def active(self) -> int:
+    def main_active(self) -> int:
         return self.embedding + self.lm_head + self.attention + self.ffn_active + self.norms
+
+    @property
+    def total(self) -> int:
+        return self.main_total + self.mtp_total
+
+    @property
+    def active(self) -> int:
+        return self.main_active + self.mtp_active
 
 
 def attention_num_params(config: ModelConfig) -> int:
@@ -263,20 +294,36 @@ def memoized_by_config(function):
     return cached
 
 
+def ffn_num_params_of_block(config: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(total, active, routed experts) of block `layer`'s FFN: a dense FFN, or router + experts + shared experts."""
+    if not config.is_moe_layer(layer):
+        dense = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
+        return dense, dense, 0
+    moe = config.moe
+    routed = moe.num_experts * ffn_num_params(config.d_model, moe.expert_d_ff, config.activation)
+    return (
+        moe.num_params(config.d_model, config.activation),
+        moe.num_active_params(config.d_model, config.activation),
+        routed,
+    )
+
+
+def mtp_module_num_params(config: ModelConfig) -> tuple[int, int]:
+    """(total, active) of one MTP module's own parameters: RMSNorm(h) and RMSNorm(Emb) (2 norms), M_k 2D·D, one
+    block like the last layer (attention, 2 norms, FFN), and the norm before the shared head."""
+    ffn_total, ffn_active, _ = ffn_num_params_of_block(config, config.n_layers - 1)  # built like the last layer
+    outside_ffn = 2 * config.d_model**2 + attention_num_params(config) + 5 * norm_num_params(config)
+    return outside_ffn + ffn_total, outside_ffn + ffn_active
+
+
 @memoized_by_config
 def count_parameters(config: ModelConfig) -> ParameterCount:
     ffn_total = ffn_active = routed_experts = 0
     for layer in range(config.n_layers):
-        if config.is_moe_layer(layer):
-            ffn_total += config.moe.num_params(config.d_model, config.activation)
-            ffn_active += config.moe.num_active_params(config.d_model, config.activation)
-            routed_experts += config.moe.num_experts * ffn_num_params(
-                config.d_model, config.moe.expert_d_ff, config.activation
-            )
-        else:
-            dense = ffn_num_params(config.d_model, config.d_ff, config.activation, bias=config.ffn_bias)
-            ffn_total += dense
-            ffn_active += dense
+        total, active, routed = ffn_num_params_of_block(config, layer)
+        ffn_total, ffn_active, routed_experts = ffn_total + total, ffn_active + active, routed_experts + routed
+    mtp_total, mtp_active = (config.mtp.depth * n for n in mtp_module_num_params(config))
+    routed_experts += config.mtp.depth * ffn_num_params_of_block(config, config.n_layers - 1)[2]
     learned_positions = config.max_seq_len * config.d_model if config.pos_encoding == "learned" else 0
     return ParameterCount(
         embedding=config.vocab_size * config.d_model + learned_positions,
@@ -286,4 +333,6 @@ def count_parameters(config: ModelConfig) -> ParameterCount:
         ffn_active=ffn_active,
         norms=(2 * config.n_layers + 1) * norm_num_params(config),
         routed_experts=routed_experts,
+        mtp_total=mtp_total,
+        mtp_active=mtp_active,
     )

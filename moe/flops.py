@@ -15,10 +15,13 @@ class FlopsPerToken:
     attention: int  # QKᵀ and AV over the full S×S grid (the mask does not save these multiplies)
     ffn: int  # dense FFNs, and per MoE layer router + top-k experts + shared experts
     lm_head: int
+    # The MTP modules (moe/mtp.py), each per token: M_k 2·2D·D, its block (as the last layer), the shared head 2·D·V;
+    # a module runs on T - k of the T positions, counted here as all T (an upper bound off by k / T).
+    mtp: int = 0
 
     @property
     def forward(self) -> int:
-        return self.projections + self.attention + self.ffn + self.lm_head
+        return self.projections + self.attention + self.ffn + self.lm_head + self.mtp
 
     @property
     def training(self) -> int:
@@ -54,15 +57,19 @@ def matmul_flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
         projections = 2 * config.d_model * (2 * q_width + 2 * kv_width)
         # Seed 000: QKᵀ and AV together cost 4·B·T²·d for the whole batch, i.e. 4·S·(H·d_h) per token.
         attention = 4 * seq_len * q_width
-    ffn = 0
-    for layer in range(config.n_layers):
-        if config.is_moe_layer(layer):
-            ffn += config.moe.matmul_flops_per_token(config.d_model, config.activation)
-        else:
-            ffn += ffn_matmul_flops_per_token(config.d_model, config.d_ff, config.activation)
+    ffn_by_block = [_ffn_flops_per_token(config, block) for block in range(config.num_blocks)]
+    lm_head = 2 * config.d_model * config.vocab_size
+    mtp_module = 4 * config.d_model**2 + projections + attention + ffn_by_block[-1] + lm_head
     return FlopsPerToken(
         projections=config.n_layers * projections,
         attention=config.n_layers * attention,
-        ffn=ffn,
-        lm_head=2 * config.d_model * config.vocab_size,
+        ffn=sum(ffn_by_block[: config.n_layers]),
+        lm_head=lm_head,
+        mtp=config.mtp.depth * mtp_module,
     )
+
+
+def _ffn_flops_per_token(config: ModelConfig, block: int) -> int:
+    if config.is_moe_layer(block):
+        return config.moe.matmul_flops_per_token(config.d_model, config.activation)
+    return ffn_matmul_flops_per_token(config.d_model, config.d_ff, config.activation)

@@ -192,6 +192,7 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
 
 def _check_layout(config: ModelConfig, run: RunShape) -> None:
     _check_pipeline(run)
+    _check_no_mtp(config, run)
     _check_expert_parallel(config, run.ep_size, run.dp_size)
     R = run.replicate_size
     if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
@@ -234,9 +235,18 @@ Figure = TypeVar("Figure")
 
 def pipeline_layout(config: ModelConfig, run: RunShape) -> StageLayout:
     """The stages the trainer builds: `run.layout` (checked by parse_layout), else the FLOP-balanced layout."""
+    _check_no_mtp(config, run)
     if run.layout is not None:
         return parse_layout([list(stage) for stage in run.layout], config.n_layers, run.pipeline_size, run.schedule)
     return balanced_layout(config, run.seq_len, run.pipeline_size, run.schedule, run.virtual_stages)
+
+
+def _check_no_mtp(config: ModelConfig, run: RunShape) -> None:
+    if run.pipeline_size > 1 and config.mtp.depth:
+        raise ValueError(
+            f"pipeline_size={run.pipeline_size} is not modelled with model.mtp.depth={config.mtp.depth} (the trainer "
+            "refuses it too): use pipeline_size=1 or mtp depth 0"
+        )
 
 
 def _check_pipeline(run: RunShape) -> None:
@@ -347,14 +357,14 @@ def _adamw_block_params(config: ModelConfig, layer: int) -> int:
 @memoized_by_config
 def muon_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, int]]:
     """(non-expert, routed-expert) parameters Muon steps on each pipeline rank, as `held_params_by_rank` counts
-    them: every block's weight matrices and all routed experts under run.optimizer=muon (none outside the blocks:
-    embeddings and head are AdamW's), zeros under adamw."""
+    them: every block's weight matrices and all routed experts under run.optimizer=muon, the MTP modules' blocks and
+    projections M_k (2·D² each) included (outside them none: embeddings and head are AdamW's), zeros under adamw."""
     if run.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={run.optimizer!r} is unknown: use one of {OPTIMIZERS}")
     held = held_params_by_rank(config, run)
     if run.optimizer == "adamw":
         return [(0, 0) for _ in held]
-    blocks = [range(config.n_layers)]
+    blocks = [range(config.num_blocks)]  # the MTP modules' blocks too (a pipeline refuses MTP)
     if run.pipeline_size > 1:
         layout = pipeline_layout(config, run)
         blocks = [
@@ -364,6 +374,8 @@ def muon_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, i
     muon = []
     for layers, (_, routed) in zip(blocks, held, strict=True):
         dense = sum(_block_params(config, layer)[0] - _adamw_block_params(config, layer) for layer in layers)
+        if run.pipeline_size == 1:
+            dense += config.mtp.depth * 2 * config.d_model**2
         muon.append((dense, routed))
     return muon
 
@@ -424,12 +436,14 @@ class ShardingTransientBytes:
 
 def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
     """The parameters of each unit FSDP gathers whole, root (embeddings, final norm, lm head) first, then every block
-    with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block)."""
+    with its routed experts cut to a rank's E/EP (under EP the experts are a unit of their own inside the block),
+    then every MTP module (its block, with its norms and M_k)."""
     params = count_parameters(config)
     units = [params.embedding + params.lm_head + norm_num_params(config)]
-    for layer in range(config.n_layers):
+    for layer in range(config.num_blocks):
         dense, routed = _block_params(config, layer)
-        units.append(dense + routed // ep_size)
+        mtp_extra = 3 * norm_num_params(config) + 2 * config.d_model**2 if layer >= config.n_layers else 0
+        units.append(dense + mtp_extra + routed // ep_size)
     return units
 
 
@@ -538,7 +552,8 @@ def all_to_all_bytes_per_step(
     _check_expert_parallel(config, ep_size)
     if ep_size == 1:
         return 0.0
-    moe_layers = sum(config.is_moe_layer(layer) for layer in (range(config.n_layers) if layers is None else layers))
+    all_blocks = range(config.num_blocks)  # the MTP modules' blocks too
+    moe_layers = sum(config.is_moe_layer(layer) for layer in (all_blocks if layers is None else layers))
     assignments = tokens_per_micro_batch * config.moe.top_k
     per_micro_batch = 4 * moe_layers * assignments * (ep_size - 1) / ep_size * config.d_model * bytes_per_element
     return per_micro_batch * micro_batches_per_step
@@ -594,10 +609,11 @@ class ActivationBytes:
     dispatch: float  # MoE dispatch buffers: the A gathered rows, combine's [N, K, D] and the index tensors
     logits: float  # final norm, the [N, V] logits, cross-entropy's fp32 log-probabilities and their gradients
     recompute: float  # under checkpointing, the largest piece rebuilt in backward, beyond the logits' fp32 bytes
+    mtp: float = 0  # the MTP modules (moe/mtp.py): their norms, M_k's input, blocks, logits and their gradients
 
     @property
     def total(self) -> float:
-        return self.attention + self.ffn + self.moe + self.dispatch + self.logits + self.recompute
+        return self.attention + self.ffn + self.moe + self.dispatch + self.logits + self.recompute + self.mtp
 
 
 def _norm_bytes(config: ModelConfig, num_tokens: int, s: int) -> int:
@@ -735,6 +751,8 @@ def activation_bytes(
     `attention_mask` (padding, or packed documents' block-diagonal mask): SDPA keeps the mask converted to the
     activations' dtype, B·S²·s per layer. ALiBi instead keeps its float bias once (`_alibi_bias_bytes`), with
     any mask folded in. MLA's attention sub-layers: `_mla_attention_bytes`.
+    With `head`, the MTP modules too (`mtp`): module k is a block over B·(S - k) tokens, its input norms, M_k's
+    input, its norm, logits and their gradients (`_logits_bytes`).
     Under bf16 autocast (fp32 weights) the norms stay fp32 and each linear keeps a bf16 copy of its input: this
     estimate, written for activations in the weights' dtype, undercounts that case.
     """
@@ -775,10 +793,23 @@ def activation_bytes(
     if not head:
         return ActivationBytes(attention, ffn, moe, dispatch, 0, recompute)
     logits = sum(_logits_bytes(config, N, s))
+    mtp = 0
+    for k in range(1, config.mtp.depth + 1):  # module k over the S - k positions with a token k ahead
+        S_k = seq_len - k
+        N_k = micro_batch_size * S_k
+        block = activation_bytes(
+            config, micro_batch_size, S_k, precision, checkpointing, attention_mask, layers=[config.n_layers + k - 1],
+            head=False,
+        )  # fmt: skip
+        # The two input norms keep their inputs and statistics but not their outputs, which only the concatenation
+        # reads (M_k keeps that, 2·N·D·s); the hidden norm's input is the final norm's output, counted by the head.
+        inputs = 2 * _norm_bytes(config, N_k, s) - 3 * N_k * D * s + 2 * N_k * D * s
+        mtp += inputs + block.attention + block.ffn + block.moe + block.dispatch + sum(_logits_bytes(config, N_k, s))
+        recompute = max(recompute, block.recompute)
     # Backward rebuilds the last checkpointed piece after cross-entropy's backward has freed the log-probabilities
     # and their gradients, so the rebuilt piece only counts beyond those 3·N·V·4 bytes.
     recompute = max(0, recompute - 3 * N * config.vocab_size * 4)
-    return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute)
+    return ActivationBytes(attention, ffn, moe, dispatch, logits, recompute, mtp)
 
 
 def _logits_bytes(config: ModelConfig, num_tokens: int, s: int) -> tuple[int, int]:
@@ -903,7 +934,7 @@ def expert_received_bytes(config: ModelConfig, run: RunShape, pipeline_rank: int
 
     def of_rank(p: int) -> float:
         if run.pipeline_size == 1:
-            layers_in_flight = [(list(range(config.n_layers)), 1)]
+            layers_in_flight = [(list(range(config.num_blocks)), 1)]  # with the MTP modules' blocks
         else:
             layout = pipeline_layout(config, run)
             counts = in_flight(
@@ -977,6 +1008,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("attention", f"{params.attention:,}", attention_note),
                 ("ffn / experts", f"{params.ffn_total:,}", "dense FFNs, experts, routers, shared experts"),
                 ("norms", f"{params.norms:,}", f"{config.norm}: γ{' and β' if config.norm == 'layernorm' else ''}"),
+                *_mtp_rows(config, params.mtp_total, "norms, M_k, block; embedding and head shared"),
             ],
         ),
         _training_state_table(config, run, state, rank),
@@ -988,6 +1020,7 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
                 ("attention", _human(flops.attention, "FLOP"), attention_flops_note),
                 ("ffn", _human(flops.ffn, "FLOP"), "active experts only" if config.moe else "dense FFN"),
                 ("lm head", _human(flops.lm_head, "FLOP"), "2 · D · V"),
+                *_mtp_rows(config, _human(flops.mtp, "FLOP"), "per module M_k, a block, the shared head"),
                 ("forward", _human(flops.forward, "FLOP"), "excludes softmax, norms, activations, memory traffic"),
                 ("training step", _human(flops.training, "FLOP"), "≈ 3 × forward"),
             ],
@@ -999,6 +1032,19 @@ def format_ledger(config: ModelConfig, run: RunShape) -> str:
     if run.pipeline_size > 1:
         tables.insert(2, _pipeline_table(config, run))
     return "\n\n".join(tables)
+
+
+def _mtp_rows(config: ModelConfig, value, note: str) -> list[tuple[str, str, str]]:
+    """A table's row for the MTP modules, only in a model that has them."""
+    if not config.mtp.depth:
+        return []
+    return [
+        (
+            f"mtp ({config.mtp.depth} module{'s' if config.mtp.depth > 1 else ''})",
+            f"{value:,}" if isinstance(value, int) else value,
+            note,
+        )
+    ]
 
 
 def _layout(run: RunShape) -> str:
@@ -1257,6 +1303,7 @@ def _activation_table(config: ModelConfig, run: RunShape) -> str:
         ]
     rows += [
         ("logits", _human(acts.logits, "B"), "final norm, N·V logits, fp32 log-probs and their gradients"),
+        *_mtp_rows(config, _human(acts.mtp, "B"), "per module k: a block over B·(S-k) tokens, norms, its logits"),
         ("recompute", _human(acts.recompute, "B"), "the largest checkpointed piece, rebuilt once at a time"),
         (
             f"activations per micro-batch ({run.checkpointing})",

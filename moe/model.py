@@ -5,6 +5,7 @@ Legend: B batch, T tokens in this step, S keys (cached prefix + step), D model w
     X = Embed(ids) (+ learned positions)
     U = X + Attention(Norm(X))        Y = U + FFN(Norm(U))        (pre-norm block, repeated L times)
     logits = Norm(Y) W_U
+    (+ with model.mtp.depth = K and labels: K multi-token-prediction modules after it, moe/mtp.py)
 """
 
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from moe.ffn import FeedForward
 from moe.kv_cache import KVCache, LatentKVCache
 from moe.mla import MultiHeadLatentAttention
 from moe.moe_layer import MoELayer, MoEOutput
+from moe.mtp import mtp_loss, mtp_targets
 from moe.rope import rope_tables
 
 
@@ -34,11 +36,15 @@ def build_norm(config: ModelConfig) -> nn.Module:
 @dataclass
 class ModelOutput:
     """`logits` (B, T, V); `aux_loss` sums every MoE layer's balancing and z losses (0 for a dense model);
-    `moe_outputs[i]` is layer i's MoEOutput (None for dense layers) so the trainer can log per-layer terms."""
+    `moe_outputs[i]` is block i's MoEOutput (None for dense blocks; the MTP modules' blocks follow the L layers) so
+    the trainer can log per-layer terms. Given labels, `mtp_loss` is L_MTP (moe/mtp.py; 0 without MTP) and
+    `mtp_logits[k - 1]` depth k's (B, T - k, V) logits."""
 
     logits: torch.Tensor
     aux_loss: torch.Tensor
     moe_outputs: list[MoEOutput | None] = field(default_factory=list)
+    mtp_loss: torch.Tensor | None = None
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
 
 
 def total_aux_loss(moe_outputs: list[MoEOutput | None], like: torch.Tensor) -> torch.Tensor:
@@ -92,6 +98,31 @@ class Block(nn.Module):
         return self.ffn(self.ffn_norm(x_BTD), token_mask_BT)
 
 
+class MTPModule(nn.Module):
+    """Multi-token prediction module k (moe/mtp.py): h^k = Norm_k(Block_k(M_k [RMSNorm(h^{k-1}) ; RMSNorm(e)])) with
+    e the shared embedding of the token k ahead; the block is built like the last layer (dense or MoE)."""
+
+    def __init__(self, config: ModelConfig, depth: int) -> None:
+        super().__init__()
+        self.hidden_norm = build_norm(config)
+        self.embed_norm = build_norm(config)
+        self.proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)  # M_k
+        self.block = Block(config, config.n_layers + depth - 1)
+        self.norm = build_norm(config)
+
+    def forward(
+        self,
+        h_BND: torch.Tensor,
+        e_BND: torch.Tensor,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        token_mask_BN: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, MoEOutput | None]:
+        x_BND = self.proj(torch.cat((self.hidden_norm(h_BND), self.embed_norm(e_BND)), dim=-1))
+        x_BND, moe_output = self.block(x_BND, rope_cos_sin, mask, None, token_mask_BN)
+        return self.norm(x_BND), moe_output
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -102,6 +133,8 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.final_norm = build_norm(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Last, so that a model without MTP draws its initial weights exactly as before MTP existed.
+        self.mtp = nn.ModuleList(MTPModule(config, k) for k in range(1, config.mtp.depth + 1)) or None
         self.reset_parameters()
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -111,6 +144,8 @@ class Transformer(nn.Module):
         moe/checkpointing.py's MODES, which trainer.activation_checkpointing is checked against at start-up."""
         for block in self.blocks:
             block.checkpointing = mode
+        for module in self.mtp or ():
+            module.block.checkpointing = mode
 
     def reset_parameters(self) -> None:
         """Every matrix ~ N(0, init_std²), biases 0, norms γ=1 β=0 (MoE layers initialise their own experts).
@@ -134,6 +169,7 @@ class Transformer(nn.Module):
         attention_mask_BT: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         document_ids_BT: torch.Tensor | None = None,
+        labels_BT: torch.Tensor | None = None,
     ) -> ModelOutput:
         """`attention_mask_BT` marks real tokens (1) vs padding (0); a padding key is never attended by a real
         query and padding tokens are not routed. With `kv_cache`, positions continue after the cached prefix.
@@ -141,7 +177,10 @@ class Transformer(nn.Module):
         `document_ids_BT` (packed windows, e.g. the loader's `document_ids`) restricts attention to earlier tokens
         of the token's own document: block-diagonal causal. Positions stay absolute window positions: under RoPE
         a score depends only on the distance between query and key, so this equals restarting positions at each
-        document; learned position embeddings do see where a document starts in its window."""
+        document; learned position embeddings do see where a document starts in its window.
+
+        `labels_BT` (the window's next tokens, as the LM loss reads them) runs the MTP modules, if the model has
+        any, and gives their loss; decoding (`kv_cache`, `generate`) never passes them, so it ignores MTP."""
         B, T = input_ids_BT.shape
         prefix = kv_cache.length if kv_cache is not None else 0
         if prefix + T > self.config.max_seq_len:
@@ -153,6 +192,8 @@ class Transformer(nn.Module):
             raise ValueError("padding masks are not supported with a KV cache: decode unpadded prompts")
         if kv_cache is not None and document_ids_BT is not None:
             raise ValueError("document_ids_BT is not supported with a KV cache: decode one document per row")
+        if kv_cache is not None and labels_BT is not None:
+            raise ValueError("labels_BT is not supported with a KV cache: decoding ignores multi-token prediction")
         if document_ids_BT is not None and document_ids_BT.shape != input_ids_BT.shape:
             raise ValueError(
                 f"document_ids_BT of shape {tuple(document_ids_BT.shape)} must match input_ids_BT's "
@@ -172,8 +213,41 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(T)
 
-        logits_BTV = self.lm_head(self.final_norm(x_BTD))
-        return ModelOutput(logits=logits_BTV, aux_loss=total_aux_loss(moe_outputs, logits_BTV), moe_outputs=moe_outputs)
+        h_BTD = self.final_norm(x_BTD)
+        logits_BTV = self.lm_head(h_BTD)
+        output = ModelOutput(logits_BTV, logits_BTV.new_zeros(()), moe_outputs, mtp_loss=logits_BTV.new_zeros(()))
+        if self.mtp is not None and labels_BT is not None:
+            output.mtp_logits = self._predict_further(h_BTD, labels_BT, positions_T, attention_mask_BT,
+                                                      document_ids_BT, moe_outputs)  # fmt: skip
+            targets = mtp_targets(labels_BT, document_ids_BT, len(self.mtp))
+            output.mtp_loss = mtp_loss(output.mtp_logits, targets, loss_weight=self.config.mtp.loss_weight)
+        output.aux_loss = total_aux_loss(moe_outputs, logits_BTV)
+        return output
+
+    def _predict_further(
+        self,
+        h_BTD: torch.Tensor,
+        labels_BT: torch.Tensor,
+        positions_T: torch.Tensor,
+        attention_mask_BT: torch.Tensor | None,
+        document_ids_BT: torch.Tensor | None,
+        moe_outputs: list[MoEOutput | None],
+    ) -> list[torch.Tensor]:
+        """Each MTP module k in turn over the N = T - k positions with a token k ahead (moe/mtp.py): its logits, and
+        its block's MoEOutput appended to `moe_outputs`. Labels are t_{i+1}, so t_{i+k} = labels[i + k - 1]."""
+        T, logits = labels_BT.shape[1], []
+        for k, module in enumerate(self.mtp, start=1):
+            N = T - k
+            token_mask_BN = attention_mask_BT[:, :N] if attention_mask_BT is not None else None
+            documents_BN = document_ids_BT[:, :N] if document_ids_BT is not None else None
+            # Positions 0 … N-1 rather than the shifted token's k … T-1: RoPE and ALiBi see only distances.
+            rope_cos_sin, mask = self.attention_context(positions_T[:N], h_BTD.dtype, 0, token_mask_BN, documents_BN)
+            # An ignored label (IGNORE_INDEX) is embedded as token 0: no target reads that position (mtp_targets).
+            e_BND = self.embed_tokens(labels_BT[:, k - 1 : T - 1].clamp(min=0), positions_T[k:])
+            h_BTD, moe_output = module(h_BTD[:, :N], e_BND, rope_cos_sin, mask, token_mask_BN)
+            moe_outputs.append(moe_output)
+            logits.append(self.lm_head(h_BTD))
+        return logits
 
     def embed_tokens(self, input_ids_BT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """X = Embed(ids) (+ learned positions), then dropout: what the first block reads."""

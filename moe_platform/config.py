@@ -534,6 +534,11 @@ class TrainConfig:
             "optim.name=muon does not run under distributed.strategy=deepspeed (ZeRO steps flat partitions, so no "
             "rank holds a whole matrix to orthogonalise): use distributed=ddp or fsdp, or optim=adamw_cosine",
         )
+        _require(
+            self.model.mtp.depth < self.data.seq_len,
+            f"model.mtp.depth={self.model.mtp.depth} leaves no position with a target in a window of "
+            f"data.seq_len={self.data.seq_len} tokens: lower the depth or lengthen the windows",
+        )
         self._check_attention_logits()
         self._check_expert_parallel()
         self._check_pipeline()
@@ -555,6 +560,14 @@ class TrainConfig:
         pp, pipeline = self.distributed.pipeline_parallel_size, self.distributed.pipeline
         if pp == 1:
             return
+        # The MTP modules read the shared embedding after the last layer, so the last stage would need the first
+        # stage's embedding and the two gradients summed (torchtitan #933): not built, refused instead.
+        _require(
+            self.model.mtp.depth == 0,
+            f"model.mtp.depth={self.model.mtp.depth} needs the shared embedding after the last layer, which "
+            f"distributed.pipeline_parallel_size={pp} puts on another stage: set model.mtp.depth=0 or "
+            "distributed.pipeline_parallel_size=1",
+        )
         stages = pp * pipeline.stages_per_rank
         layers = self.model.n_layers
         _require(

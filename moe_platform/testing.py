@@ -320,9 +320,9 @@ def assert_trains_like(
     run_dir: Path, reference: Path, steps: list[int] | None = None, rel: float = 1e-5
 ) -> dict[int, dict]:
     """`run_dir` logged the training `reference` logged, at each of `steps` (default: every step of the reference),
-    as another layout of the same run must (more ranks, experts split, parameters sharded): loss, grad norm and aux
-    loss within `rel` (only the order of floating-point reductions differs) and each MoE layer's tokens per expert
-    exactly (every token is routed alike). Returns run_dir's training records."""
+    as another layout of the same run must (more ranks, experts split, parameters sharded): loss, grad norm, aux
+    loss (and MTP loss) within `rel` (only the order of floating-point reductions differs) and each MoE layer's
+    tokens per expert exactly (every token is routed alike). Returns run_dir's training records."""
     import pytest
 
     def counts(record: dict) -> list[str]:
@@ -334,6 +334,9 @@ def assert_trains_like(
         assert got["loss"] == pytest.approx(ref["loss"], rel=rel, abs=rel), step
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=rel), step
         assert got["aux_loss"] == pytest.approx(ref["aux_loss"], rel=rel, abs=1e-7), step
+        assert ("mtp_loss" in got) == ("mtp_loss" in ref), step
+        if "mtp_loss" in ref:  # multi-token prediction (moe/mtp.py)
+            assert got["mtp_loss"] == pytest.approx(ref["mtp_loss"], rel=rel, abs=rel), step
         assert counts(got) == counts(ref), step
         for key in counts(ref):
             assert got[key] == ref[key], (step, key)

@@ -7,6 +7,7 @@ strictly before it is written. The HF format is exact or refused (see `moe_platf
 """
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -17,6 +18,27 @@ from moe_platform.checkpoint.errors import CheckpointError
 from moe_platform.config import TrainConfig, load_run_config
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+MTP_FILE = "model-mtp.safetensors"  # DeepSeek-V3's MTP layers, which transformers' causal LM does not save
+
+
+def write_beside(directory: Path, tensors: dict[str, torch.Tensor], file_name: str) -> None:
+    """Add `tensors` to a saved transformers directory as one more safetensors file, listed in the index (written
+    when save_pretrained wrote a single unindexed file), so that readers of the index find them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    # Copies: a tied model's embedding and head copies are one tensor, which safetensors will not write twice.
+    copies = {name: t.detach().clone().contiguous() for name, t in tensors.items()}
+    save_file(copies, directory / file_name, metadata={"format": "pt"})
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(directory / "model.safetensors", framework="pt") as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    index["weight_map"].update(dict.fromkeys(tensors, file_name))
+    index["metadata"]["total_size"] = sum((directory / f).stat().st_size for f in set(index["weight_map"].values()))
+    index_path.write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
 def load_checkpoint_config(checkpoint: Path) -> TrainConfig:
@@ -42,6 +64,7 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
 
     from data_pipeline.tokenizer import build_tokenizer
     from moe_platform.interop.hf import hf_architecture, to_hf
+    from moe_platform.interop.hf.deepseek_v3 import split_mtp
 
     run_config = load_checkpoint_config(checkpoint)
     hf_architecture(run_config.model)  # refuse before consolidating a large checkpoint
@@ -53,9 +76,12 @@ def export_hf(checkpoint: Path, output: Path, max_shard_size: str = DEFAULT_MAX_
 
     with no_init_weights():  # every weight is overwritten below; a random init of a large model would take minutes
         hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hf_state, mtp_state = split_mtp(run_config.model, hf_state)
     hf_model.load_state_dict(hf_state, strict=True)
     hf_model.generation_config = transformers.GenerationConfig(**token_ids)
     hf_model.save_pretrained(output, max_shard_size=max_shard_size)
+    if mtp_state:
+        write_beside(Path(output), mtp_state, MTP_FILE)
     if run_config.data.tokenizer.name_or_path is not None:
         # The same Rust backend the run tokenised with (file, directory or hub name alike), with its EOS/PAD choice.
         backend = tokenizer.backend

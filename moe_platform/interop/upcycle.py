@@ -46,7 +46,11 @@ def upcycle_state_dict(
     moe = moe_config.moe
     generator = torch.Generator().manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
-    moe_prefixes = tuple(f"blocks.{i}.ffn." for i in range(moe_config.n_layers) if moe_config.is_moe_layer(i))
+    # The MTP modules' blocks (moe/mtp.py) are upcycled like the layers.
+    blocks = [f"blocks.{i}" for i in range(moe_config.n_layers)] + [
+        f"mtp.{k}.block" for k in range(moe_config.mtp.depth)
+    ]
+    moe_prefixes = tuple(f"{name}.ffn." for i, name in enumerate(blocks) if moe_config.is_moe_layer(i))
     for name in dense_state:  # by name: a lazy source reads each tensor only when asked, the FFNs below
         if not name.startswith(moe_prefixes):
             state[name] = dense_state[name].detach().clone()

@@ -103,9 +103,9 @@ def sharding_policy(config: TrainConfig) -> ShardingPolicy:
 
 
 def shard_model(model: nn.Module, meshes: ShardingMeshes, policy: ShardingPolicy) -> None:
-    """Under EP keep this rank's expert block and shard it over its edp group; then shard each transformer block
-    and the root (embeddings, final norm, head) over the dense mesh. A parameter already sharded by an inner unit
-    is left to it, so the experts stay on their mesh."""
+    """Under EP keep this rank's expert block and shard it over its edp group; then shard each transformer block,
+    each MTP module and the root (embeddings, final norm, head) over the dense mesh. A parameter already sharded by
+    an inner unit is left to it, so the experts stay on their mesh."""
     kwargs = policy.kwargs()
     groups = meshes.expert_groups
     if groups is not None:
@@ -120,6 +120,8 @@ def shard_model(model: nn.Module, meshes: ShardingMeshes, policy: ShardingPolicy
                     module.experts.set_force_sum_reduction_for_comms(True)
     for block in model.blocks:
         fully_shard(block, mesh=meshes.dense, **kwargs)
+    for module in model.mtp or ():  # an MTP module (norms, M_k, its block) is a unit like a block
+        fully_shard(module, mesh=meshes.dense, **kwargs)
     # The root's parameters are gathered for the whole step: there is no later unit to reshard them for.
     fully_shard(model, mesh=meshes.dense, **{**kwargs, "reshard_after_forward": False})
 

@@ -203,6 +203,8 @@ def _rank_work(
     head = 3 * matmul_flops_per_token(model, run.seq_len).lm_head
     layers = [layer for stage_layers, _ in stages for layer in stage_layers]
     flops_per_token = float(sum(costs[layer] for layer in layers))
+    if layout is None:  # the MTP modules (a pipeline refuses them)
+        flops_per_token += 3 * matmul_flops_per_token(model, run.seq_len).mtp
     moe_layers = [layer for layer in layers if model.is_moe_layer(layer)]
     if model.moe is not None and run.ep_size > 1:  # the busiest EP rank runs `imbalance` × the mean expert work
         routed = model.moe.top_k * ffn_matmul_flops_per_token(model.d_model, model.moe.expert_d_ff, model.activation)

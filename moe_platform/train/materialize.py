@@ -27,7 +27,7 @@ from torch import nn
 
 from moe import Transformer
 from moe.expert_parallel import is_expert_parameter
-from moe.model import Block
+from moe.model import Block, MTPModule
 from moe_platform.checkpoint.sharded import copy_into_shard
 from moe_platform.config import TrainConfig
 
@@ -81,6 +81,9 @@ def materialize(
         if name == "blocks":
             for i in range(len(child)):
                 _keep(filler, f"blocks.{i}", Block(config.model, i))
+        elif name == "mtp":  # each module draws as its constructor does, like a block
+            for k in range(1, len(child) + 1):
+                _keep(filler, f"mtp.{k - 1}", MTPModule(config.model, k))
         elif any(True for _ in child.parameters()):
             piece = copy.deepcopy(child).to_empty(device="cpu")
             piece.reset_parameters()

@@ -58,10 +58,11 @@ MUON, ADAMW = "muon", "adamw"
 
 
 def hidden_matrices(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every matrix Muon steps: nn.Linear weights and stacked expert weights in the blocks."""
+    """(name, parameter) of every matrix Muon steps: nn.Linear weights and stacked expert weights in the blocks, and
+    in the MTP modules (their blocks and projections M_k; moe/mtp.py)."""
     found = []
     for module_name, module in model.named_modules():
-        if not module_name.startswith("blocks."):
+        if not module_name.startswith(("blocks.", "mtp.")):
             continue
         if isinstance(module, nn.Linear):
             found.append((f"{module_name}.weight", module.weight))

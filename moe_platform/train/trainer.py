@@ -2,7 +2,8 @@
 
 Per optimizer step, on every rank:
   1. set the learning rate for this step (a pure function of the step, so resume needs only the step)
-  2. for each of the `grad_accum` micro-batches: forward → loss = LM loss + Σ per-layer MoE aux losses →
+  2. for each of the `grad_accum` micro-batches: forward → loss = LM loss + Σ per-layer MoE aux losses (+ the
+     multi-token-prediction loss, moe/mtp.py) →
      backward (Accelerate divides by grad_accum, or DeepSpeed does; a non-finite loss makes every gradient NaN) →
      collect the MoE layers' raw counts
   3. on the last micro-batch Accelerate/DeepSpeed all-reduce the gradients (under expert parallelism the experts'
@@ -101,12 +102,18 @@ class LogWindow:
         self.untimed_steps, self.untimed_s = 0, 0.0
 
     def add(
-        self, lm_loss: float, aux_loss: float, grad_norm: float, stats: dict[int, MoEStats], applied: bool = True
+        self,
+        lm_loss: float,
+        aux_loss: float,
+        mtp_loss: float,
+        grad_norm: float,
+        stats: dict[int, MoEStats],
+        applied: bool = True,
     ) -> None:
         self.steps += 1
         self.grad_norm = grad_norm
         if applied:  # a skipped step's losses and routing counts stay out of the means, as in Megatron's
-            self.losses.append((lm_loss, aux_loss))
+            self.losses.append((lm_loss, aux_loss, mtp_loss))
             self.stats = _add_stats(self.stats, stats)
 
     def elapsed(self) -> float:
@@ -299,35 +306,40 @@ class Trainer:
         self.sinks.close()
         self.preemption.close()
 
-    def train_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
-        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses, the grad norm, the
-        MoE layers' raw counts summed over the micro-batches, and whether the update was applied (nan_guard.py)."""
+    def train_step(self, batches) -> tuple[float, float, float, float, dict[int, MoEStats], bool]:
+        """One optimizer step over `grad_accum` micro-batches; returns this rank's mean losses (LM, aux, MTP), the grad
+        norm, the MoE layers' raw counts summed over the micro-batches, and whether the update was applied
+        (nan_guard.py)."""
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs, strict=True):
             group["lr"] = self.config.optim.lr_at(self.state.step, self.config.trainer.max_steps, peak)
         if self.pipeline is not None:
             return self._pipeline_step(batches)
-        lm_losses, aux_losses, stats, grad_norm, inputs, applied = [], [], {}, float("nan"), [], True
+        lm_losses, aux_losses, mtp_losses, stats, grad_norm, inputs, applied = [], [], [], {}, float("nan"), [], True
         step = self.state.step + 1  # the step being run, as faults.py counts
         for _ in range(self.grad_accum):
             batch = next(batches)
             inputs.append(batch)  # kept to find where a NaN began, should one appear
             with self.accelerator.accumulate(self.model):
                 faults.point("forward", step)
-                output = self.model(
-                    batch["input_ids"].to(self.accelerator.device), document_ids_BT=batch.get("document_ids")
-                )
                 labels = batch["labels"].to(self.accelerator.device)
+                output = self.model(
+                    batch["input_ids"].to(self.accelerator.device),
+                    document_ids_BT=batch.get("document_ids"),
+                    labels_BT=labels if self.config.model.mtp.depth else None,
+                )
                 lm_loss = F.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
                 faults.point("backward", step)
-                self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss))
+                self.accelerator.backward(poison_nonfinite(lm_loss + output.aux_loss + output.mtp_loss))
                 if self.accelerator.sync_gradients:  # the last micro-batch: only here is there a step to take
                     grad_norm, applied = self._update()
             lm_losses.append(lm_loss.detach())
             aux_losses.append(output.aux_loss.detach().float())
+            mtp_losses.append(output.mtp_loss.detach().float())
             stats = _add_stats(stats, _moe_stats(output))
-        self._after_update(step, applied, inputs, list(map(torch.add, lm_losses, aux_losses)))
-        lm_loss, aux_loss = float(torch.stack(lm_losses).mean()), float(torch.stack(aux_losses).mean())
-        return lm_loss, aux_loss, grad_norm, stats, applied
+        totals = [lm + aux + mtp for lm, aux, mtp in zip(lm_losses, aux_losses, mtp_losses, strict=True)]
+        self._after_update(step, applied, inputs, totals)
+        lm_loss, aux_loss, mtp_loss = (float(torch.stack(each).mean()) for each in (lm_losses, aux_losses, mtp_losses))
+        return lm_loss, aux_loss, mtp_loss, grad_norm, stats, applied
 
     def _update(self) -> tuple[float, bool]:
         """After the step's last backward: clip, and step unless the global grad norm is not finite (the same
@@ -353,9 +365,10 @@ class Trainer:
                 self._halt(halt)
         faults.point("step_end", step)
 
-    def _pipeline_step(self, batches) -> tuple[float, float, float, dict[int, MoEStats], bool]:
+    def _pipeline_step(self, batches) -> tuple[float, float, float, float, dict[int, MoEStats], bool]:
         """One optimizer step through the pipeline schedule (train/pipeline_step.py); returns what train_step does,
-        with a loss of 0 on ranks without the last stage (the log's reduction counts the last stage's)."""
+        with a loss of 0 on ranks without the last stage (the log's reduction counts the last stage's), and no MTP
+        loss (a pipeline refuses model.mtp.depth > 0: config.py)."""
         step = self.state.step + 1
         inputs = [next(batches) for _ in range(self.grad_accum)]
         faults.point("forward", step)
@@ -364,7 +377,7 @@ class Trainer:
         grad_norm, applied = self._update()
         self._after_update(step, applied, inputs, lm_losses or [aux_loss])
         lm_loss = float(torch.stack(lm_losses).mean()) if lm_losses else 0.0
-        return lm_loss, float(aux_loss), grad_norm, stats, applied
+        return lm_loss, float(aux_loss), 0.0, grad_norm, stats, applied
 
     def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
         """What checkpoints hold beside Accelerate's files: under FSDP every rank's shards through DCP; experts by
@@ -466,7 +479,9 @@ class Trainer:
     def _log(self, window: LogWindow) -> dict[str, Any]:
         # When this log began, in UTC: stamps of two logs bound whole steps and one whole log (bench/trainer_overhead).
         now = datetime.now(timezone.utc).isoformat()
-        window_losses = window.losses or [(math.nan, math.nan)]  # every step of the window skipped (nan_guard.py)
+        window_losses = window.losses or [
+            (math.nan, math.nan, math.nan)
+        ]  # every step of the window skipped (nan_guard.py)
         losses = torch.tensor(window_losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
         # Σ over ranks / D: the mean over data-parallel ranks (all ranks without PP); under PP the LM loss is the
         # last stage's (0 elsewhere) and the aux loss the sum of every stage's
@@ -484,6 +499,8 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             **self.nan_guard.record(),
         }
+        if self.config.model.mtp.depth:  # L_MTP, already weighted; "loss" stays the LM loss alone
+            record["mtp_loss"] = float(losses[2])
         stats = self.pipeline.pad_stats(window.stats) if self.pipeline is not None else window.stats
         record.update(reduce_moe_stats(self.accelerator, stats))
         record.update(self.attention_logits.record())

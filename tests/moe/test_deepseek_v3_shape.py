@@ -1,7 +1,8 @@
 """conf/model/deepseek_v3_like.yaml is DeepSeek-V3's shape: our analytic parameter count equals the real module and
 transformers' `DeepseekV3ForCausalLM` built from the same full-size config (both on the meta device: no memory, no
-download), and lands on the paper's 671B total / 37B active. The multi-token-prediction (MTP) module, which neither
-model builds, is counted separately so the README can say what is excluded.
+download), and lands on the paper's 671B total / 37B active for the main model. The multi-token-prediction (MTP)
+module, which ours builds (model.mtp.depth=1) and transformers' causal LM does not, is counted apart
+(`ParameterCount.mtp_total`) and checked against the MTP layer transformers builds for speculative decoding.
 
 DeepSeek-V3 (arXiv 2412.19437, §2.2): one MTP module of a projection M [2D → D] over [RMSNorm(h) ; RMSNorm(Emb(t))],
 one transformer block (MLA + MoE), and the main model's embedding and output head (shared, not counted again).
@@ -19,6 +20,7 @@ import yaml
 from moe import ModelConfig, MoEConfig, Transformer, count_parameters
 from moe.model import Block
 from moe.moe_config import RouterConfig
+from moe.mtp_config import MTPConfig
 
 PRESET = Path(__file__).parents[2] / "conf" / "model" / "deepseek_v3_like.yaml"
 PUBLISHED_TOTAL, PUBLISHED_ACTIVE = 671e9, 37e9  # the paper's rounded figures
@@ -27,8 +29,8 @@ PUBLISHED_TOTAL, PUBLISHED_ACTIVE = 671e9, 37e9  # the paper's rounded figures
 def preset_config() -> ModelConfig:
     fields = yaml.safe_load(PRESET.read_text())
     moe = fields.pop("moe")
-    router = RouterConfig(**moe.pop("router"))
-    return ModelConfig(**fields, moe=MoEConfig(**moe, router=router))
+    router, mtp = RouterConfig(**moe.pop("router")), MTPConfig(**fields.pop("mtp"))
+    return ModelConfig(**fields, moe=MoEConfig(**moe, router=router), mtp=mtp)
 
 
 def hf_config(config: ModelConfig) -> object:
@@ -74,22 +76,27 @@ def config() -> ModelConfig:
 
 
 def test_preset_count_lands_on_the_papers_671b_total_and_37b_active(config: ModelConfig) -> None:
+    """The paper's figures are the main model's; the preset also trains one MTP module (the paper's D = 1)."""
     params = count_parameters(config)
-    assert params.total == pytest.approx(PUBLISHED_TOTAL, rel=1e-3)
-    assert params.active == pytest.approx(PUBLISHED_ACTIVE, rel=0.02)
+    assert config.mtp.depth == 1
+    assert params.main_total == pytest.approx(PUBLISHED_TOTAL, rel=1e-3)
+    assert params.main_active == pytest.approx(PUBLISHED_ACTIVE, rel=0.02)
+    assert params.total == params.main_total + params.mtp_total
 
 
 def test_analytic_count_equals_our_module_and_transformers_on_meta(config: ModelConfig) -> None:
-    """Three independent counts agree exactly: the formula, our Transformer, HF's DeepseekV3ForCausalLM."""
+    """Three independent counts agree exactly: the formula, our Transformer (MTP module included), and HF's
+    DeepseekV3ForCausalLM, which builds the main model only."""
     with torch.device("meta"):
         ours = Transformer(config)
         theirs = transformers.DeepseekV3ForCausalLM(hf_config(config))
     # transformers builds no MTP layer from a config (only generation's MtpModel adds one); check, not assume.
     assert not any(name.startswith(f"model.layers.{config.n_layers}.") for name, _ in theirs.named_parameters())
     assert len(theirs.model.layers) == config.n_layers
-    total = count_parameters(config).total
-    assert num_params(ours) == total
-    assert num_params(theirs) == total
+    params = count_parameters(config)
+    assert num_params(ours) == params.total
+    assert num_params(ours.mtp) == params.mtp_total
+    assert num_params(theirs) == params.main_total
 
 
 def mtp_num_params(config: ModelConfig) -> int:
@@ -102,15 +109,15 @@ def mtp_num_params(config: ModelConfig) -> int:
 
 
 def test_mtp_module_count_matches_transformers_mtp_layer(config: ModelConfig) -> None:
-    """What the README lists as excluded: the MTP module, counted from our block and checked against the MTP layer
-    transformers appends for speculative decoding (enorm, hnorm, eh_proj, the decoder layer, post_norm)."""
+    """The MTP module: the ledger's count, written out from our block here, and the MTP layer transformers appends
+    for speculative decoding (enorm, hnorm, eh_proj, the decoder layer, post_norm) agree exactly."""
     from transformers.modeling_layers import MtpLayer
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     hf = hf_config(config)
     with torch.device("meta"):
         layer = MtpLayer(hf, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, config.n_layers)
-    assert num_params(layer) == mtp_num_params(config)
+    assert num_params(layer) == mtp_num_params(config) == count_parameters(config).mtp_total
     # With the checkpoint's copies of the embedding and head, main model + MTP is the Hub's ≈ 685B.
-    stored = count_parameters(config).total + mtp_num_params(config) + 2 * config.vocab_size * config.d_model
+    stored = count_parameters(config).total + 2 * config.vocab_size * config.d_model
     assert stored == pytest.approx(685e9, rel=2e-3)

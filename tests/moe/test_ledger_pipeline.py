@@ -52,7 +52,8 @@ TORCH_CLASSES = {
 
 
 def preset(name: str) -> ModelConfig:
-    return train_config([f"model={name}"]).model
+    """The preset without its MTP module, which a pipeline refuses (moe/ledger.py, moe_platform/config.py)."""
+    return train_config([f"model={name}", "model.mtp.depth=0"]).model
 
 
 def pipelined(pp: int, schedule: str, virtual: int, m: int = 4, **fields) -> RunShape:
@@ -507,3 +508,12 @@ def test_the_ledger_predicts_a_measured_pipeline_step() -> None:
     for rank, results in enumerate(run_distributed(measure_a_pipeline_step_on_this_rank, 2, timeout=300)):
         for schedule, (measured, predicted) in results.items():
             assert measured == pytest.approx(predicted, rel=0.2), (schedule, rank)
+
+
+def test_a_pipeline_with_mtp_is_refused_in_one_sentence() -> None:
+    """The MTP modules would need the shared embedding on the last stage: the ledger models no such layout, as the
+    trainer builds none."""
+    config = train_config(["model=deepseek_v3_like_tiny"]).model
+    with pytest.raises(ValueError, match=r"model\.mtp\.depth=1") as error:
+        held_params_by_rank(config, pipelined(2, "1f1b", 1))
+    assert ". " not in str(error.value)

@@ -350,3 +350,57 @@ def test_cli_exports_a_trained_deepseek_v3_checkpoint(tmp_path):
     expected_BT = ours.generate(prompt_BT, max_new_tokens=8, temperature=0)
     got_BT = theirs.generate(prompt_BT, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(expected_BT, got_BT)
+
+
+def mtp_logits(model: Transformer, ids_BT: torch.Tensor) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return model.eval()(ids_BT[:, :-1], labels_BT=ids_BT[:, 1:]).mtp_logits
+
+
+def test_a_checkpoint_with_an_mtp_layer_round_trips_with_both_heads(tmp_path):
+    """A DeepSeek-V3 directory whose layer L is an MTP layer (transformers' MtpLayer, random, under the checkpoint's
+    names, with the copies of the embedding and head) imports into model.mtp, exports the same tensors back, and
+    imports again to the same main and MTP logits."""
+    from transformers.modeling_layers import MtpLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from moe_platform.interop.export import MTP_FILE, write_beside
+    from moe_platform.interop.hf.deepseek_v3 import split_mtp
+
+    theirs = make_hf(**IMPORT_CASES["interleaved_q_latent"], num_mtp_layers=1)
+    L = theirs.config.num_hidden_layers
+    theirs.save_pretrained(tmp_path / "hf")
+    files = load_file(tmp_path / "hf" / "model.safetensors")
+    layer = MtpLayer(theirs.config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, L)
+    randomize(layer)
+    checkpoint_mtp = {
+        f"model.layers.{L}.{name.replace('mtp_block.', '').replace('post_norm', 'shared_head.norm')}": tensor
+        for name, tensor in layer.state_dict().items()
+    }
+    checkpoint_mtp[f"model.layers.{L}.embed_tokens.weight"] = files["model.embed_tokens.weight"].clone()
+    checkpoint_mtp[f"model.layers.{L}.shared_head.head.weight"] = files["lm_head.weight"].clone()
+    save_file({**files, **checkpoint_mtp}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+
+    config, state = from_hf(tmp_path / "hf")
+    assert config.mtp.depth == 1 and config.is_moe_layer(L)
+    ours = Transformer(config)
+    ours.load_state_dict(state, strict=True)
+    assert_same_logits(ours, theirs)
+
+    hf_config, hf_state = to_hf(config, ours.state_dict())
+    main, mtp = split_mtp(config, hf_state)
+    assert hf_config.num_mtp_layers == 1
+    assert_same_state(mtp, checkpoint_mtp)  # the checkpoint's MTP layer, tensor for tensor
+    again = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    again.load_state_dict(main, strict=True)
+    again.save_pretrained(tmp_path / "again")
+    write_beside(tmp_path / "again", mtp, MTP_FILE)
+
+    back_config, back_state = from_hf(tmp_path / "again")
+    back = Transformer(back_config)
+    back.load_state_dict(back_state, strict=True)
+    ids_BT = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(logits(back, ids_BT), logits(ours, ids_BT), atol=TOL, rtol=TOL)
+    (ours_BNV,), (back_BNV,) = mtp_logits(ours, ids_BT), mtp_logits(back, ids_BT)
+    assert ours_BNV.shape == (2, 15, VOCAB)
+    torch.testing.assert_close(back_BNV, ours_BNV, atol=TOL, rtol=TOL)

@@ -178,11 +178,12 @@ def test_moe_train_refuses_a_model_this_machine_cannot_hold_in_seconds(tmp_path:
 
 
 def test_deepseek_v3_preset_is_refused_with_its_671b_parameters_and_the_gpus_it_needs() -> None:
-    """The full-size MLA + group-routed preset, loaded as Hydra loads it: 671,026,404,352 parameters, far more than 8
-    GPUs hold in any layout, so the refusal names the fewest nodes (doubling) on which moe-plan finds one."""
+    """The full-size MLA + group-routed preset, loaded as Hydra loads it: 682,636,472,320 parameters (671,026,404,352
+    and the MTP module's), far more than 8 GPUs hold in any layout, so the refusal names the fewest nodes (doubling)
+    on which moe-plan finds one."""
     config = preset("deepseek_v3_like", "deepspeed", 3, "bf16")
-    assert config.model.num_params() == 671_026_404_352
+    assert config.model.num_params() == 682_636_472_320
     memory = gpu(free_gb=80.0, host_gb=4000.0)
     message = refusal(config, 8, 8, memory)
-    assert "671.03 B parameters" in message
+    assert "682.64 B parameters" in message
     assert_the_named_layout_fits(config, message, 8, 8, memory)

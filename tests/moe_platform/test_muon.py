@@ -121,7 +121,7 @@ def test_the_adamw_groups_step_as_torch_adamw_bit_for_bit(kernel: dict) -> None:
 MODELS = {
     "moe_tiny": ["model=moe_tiny"],
     "dense_tiny": ["model=dense_tiny"],
-    "deepseek_v3_like_tiny": ["model=deepseek_v3_like_tiny"],  # MLA with both latents, shared expert, dense layer 0
+    "deepseek_v3_like_tiny": ["model=deepseek_v3_like_tiny"],  # MLA, both latents, shared expert, dense layer 0, MTP
     "mla_no_q_latent-biases": [
         "model=deepseek_v3_like_tiny", "model.mla.q_lora_rank=null", "model.attention_bias=true",
     ],
@@ -134,9 +134,10 @@ MODELS = {
 
 
 def kind(name: str, p: nn.Parameter) -> str:
-    """The group a parameter belongs in, by what it is: a block's matrix (not the router's) is Muon's; every other
-    matrix (embeddings, learned positions, head, routers) AdamW's with decay; vectors (norms, biases) without."""
-    if re.match(r"blocks\.\d+\.", name) and p.ndim >= 2 and ".router." not in name:
+    """The group a parameter belongs in, by what it is: a block's or an MTP module's matrix (M_k too, not a router's)
+    is Muon's; every other matrix (embeddings, learned positions, head, routers) AdamW's with decay; vectors (norms,
+    biases) without."""
+    if re.match(r"(blocks|mtp)\.\d+\.", name) and p.ndim >= 2 and ".router." not in name:
         return "muon"
     return "decay" if p.ndim >= 2 else "no_decay"
 

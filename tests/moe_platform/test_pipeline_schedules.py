@@ -30,7 +30,8 @@ CASES = {
     "dense_tiny PP=2 DP=2 zbv": (["model=dense_tiny"], 2, 1, "ddp", "zbv", None),
     # the first stage runs the dense layer 0 only: no aux loss, no routing counts, no hang
     "deepseek_v3_like_tiny PP=2 EP=2 no MoE on stage 0": (
-        ["model=deepseek_v3_like_tiny"], 2, 2, "ddp", "1f1b", [["embed", 0], [1, 2, "norm", "head"]]
+        ["model=deepseek_v3_like_tiny", "model.mtp.depth=0"], 2, 2, "ddp", "1f1b",
+        [["embed", 0], [1, 2, "norm", "head"]]
     ),
 }  # fmt: skip
 

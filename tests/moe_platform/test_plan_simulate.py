@@ -23,7 +23,7 @@ from moe_platform.launch.compose import train_config
 from moe_platform.plan.memory import rank_memory
 from moe_platform.plan.simulate import chunk_rows, simulate_rank
 
-DEEPSEEK_V3 = ["model=deepseek_v3_like", "trainer.precision=bf16", "data.seq_len=4096",
+DEEPSEEK_V3 = ["model=deepseek_v3_like", "model.mtp.depth=0", "trainer.precision=bf16", "data.seq_len=4096",
                "data.global_batch_size=15360", "trainer.micro_batch_size=1", "distributed.expert_parallel_size=64",
                "distributed.pipeline_parallel_size=16", "distributed.pipeline.schedule=dualpipev"]  # fmt: skip
 MIXTRAL = ["model=mixtral_like", "trainer.precision=bf16", "data.seq_len=4096", "data.global_batch_size=512",

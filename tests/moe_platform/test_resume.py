@@ -82,7 +82,10 @@ def deepseek_trains_and_its_balancing_bias_comes_back(run_dir: Path, uninterrupt
     # Layer 0 is dense (first_dense_layers=1); layers 1 and 2 route.
     assert set(train[6]) >= {"moe/layer_1/tokens_per_expert", "moe/layer_2/tokens_per_expert"}
     final, resumed = expert_biases(uninterrupted, 6), expert_biases(run_dir, 6)
-    assert sorted(final) == ["blocks.1.ffn.router.expert_bias", "blocks.2.ffn.router.expert_bias"]
+    # and the MTP module's MoE block (moe/mtp.py) routes and balances as they do.
+    assert sorted(final) == [
+        "blocks.1.ffn.router.expert_bias", "blocks.2.ffn.router.expert_bias", "mtp.0.block.ffn.router.expert_bias"
+    ]  # fmt: skip
     for name, bias in final.items():
         assert bias.abs().sum() > 0, f"{name}: the bias moved during training, so restoring it is tested"
         assert torch.equal(resumed[name], bias), f"{name}: the resumed run's bias equals the uninterrupted run's"

@@ -31,10 +31,15 @@ Decisions that keep the logits exact (fp32, up to summation order):
   * Refused on import: scaled RoPE (YaRN etc.: `rope_parameters.rope_type` != "default", which also rescales the
     softmax), num_key_value_heads != num_attention_heads (HF would repeat MLA's per-head keys), a non-silu
     activation, top-1 routing with norm_topk_prob (a constant gate ours cannot express), a group of one expert.
-  * MTP. transformers builds no multi-token-prediction module (`num_mtp_layers` only describes the checkpoint) and
-    drops the `model.layers.{L}.*` weights real checkpoints hold for it; ours has none either. The import ignores
-    them the same way (named from the files' index or headers, never read) and prints a note naming how many it
-    dropped; the export writes num_mtp_layers=0.
+  * MTP. The checkpoint's multi-token-prediction module k is layer L + k - 1, `model.layers.{L+k-1}.*`: a decoder
+    layer (built like the last one) plus enorm, hnorm, eh_proj, shared_head.norm, and copies of the shared
+    embedding (embed_tokens) and head (shared_head.head). Ours is `mtp.{k-1}` (moe/mtp.py): `num_mtp_layers` =
+    model.mtp.depth both ways. eh_proj reads [enorm(e) ; hnorm(h)], ours M_k [RMSNorm(h) ; RMSNorm(e)] as the
+    paper writes it, so the two column halves swap. The copies are written on export and not read on import (ours
+    shares the one embedding and head). transformers' causal LM builds no MTP module and does not load these
+    tensors, so `to_hf`'s state has them beside the ones it loads (`split_mtp`) and moe-export writes them to a file
+    of their own. A checkpoint whose config says num_mtp_layers=0 but holds such tensors has them ignored, with a
+    printed note naming how many.
   * Inference only: our MLA's `absorb_decode` changes no number HF computes and is not written; an import takes
     the default.
 """
@@ -48,6 +53,7 @@ import torch
 from moe.config import ModelConfig
 from moe.mla_config import MLAConfig
 from moe.moe_config import MoEConfig, RouterConfig
+from moe.mtp_config import MTPConfig
 from moe_platform.interop.hf.common import (
     dense_layers,
     dense_mlp_from_hf,
@@ -134,7 +140,7 @@ def config_to_hf(config: ModelConfig, common: dict) -> object:
         v_head_dim=mla.v_head_dim,
         rope_interleave=True,
         attention_bias=config.attention_bias,
-        num_mtp_layers=0,
+        num_mtp_layers=config.mtp.depth,
         **routing,
         **common,
     )
@@ -191,6 +197,7 @@ def config_from_hf(hf: object, fields: dict) -> ModelConfig:
         d_ff=hf.intermediate_size,
         attention_bias=bool(hf.attention_bias),
         moe=moe,
+        mtp=MTPConfig(depth=hf.num_mtp_layers or 0),
     )
 
 
@@ -229,52 +236,112 @@ def _mla_rope_rows(config: ModelConfig, our_name: str) -> tuple[int, int, int]:
 def weights_to_hf(config: ModelConfig, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(config.n_layers):
-        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        for our_name, hf_name, has_rope_rows in _mla_names(config):
-            tensor = sd[f"{ours}.attn.{our_name}"]
-            if has_rope_rows:
-                tensor = permute_rope_rows(tensor, *_mla_rope_rows(config, our_name), to_interleaved=True)
-            out[f"{theirs}.self_attn.{hf_name}"] = tensor
-        if not config.is_moe_layer(i):
-            out |= dense_mlp_to_hf(sd, f"{ours}.ffn", f"{theirs}.mlp", bias=False)
-            continue
-        router_ED = sd[f"{ours}.ffn.router.weight"]
-        out[f"{theirs}.mlp.gate.weight"] = router_ED
-        zero_bias_E = torch.zeros(config.moe.num_experts, dtype=torch.float32)  # no selection bias: chooses as ours
-        out[f"{theirs}.mlp.gate.e_score_correction_bias"] = sd.get(f"{ours}.ffn.router.expert_bias", zero_bias_E)
-        out |= experts_to_hf(sd, f"{ours}.ffn.experts", f"{theirs}.mlp.experts")
-        D, S = config.d_model, config.moe.num_shared_experts * config.moe.expert_d_ff
-        if S:
-            out |= dense_mlp_to_hf(sd, f"{ours}.ffn.shared_experts", f"{theirs}.mlp.shared_experts", bias=False)
-            continue
-        for hf_name, shape in (("gate_proj", (S, D)), ("up_proj", (S, D)), ("down_proj", (D, S))):
-            # a zero-width shared expert adds exactly 0
-            out[f"{theirs}.mlp.shared_experts.{hf_name}.weight"] = torch.zeros(shape, dtype=router_ED.dtype)
+        out |= _layer_to_hf(config, sd, i, f"blocks.{i}", f"model.layers.{i}")
+    for k in range(1, config.mtp.depth + 1):
+        ours, theirs = f"mtp.{k - 1}", f"model.layers.{config.n_layers + k - 1}"
+        for hf_name, tensor in _mtp_layer_norms_to_hf(sd, ours).items():
+            out[f"{theirs}.{hf_name}"] = tensor
+        hidden_DD, embed_DD = sd[f"{ours}.proj.weight"].chunk(2, dim=1)
+        out[f"{theirs}.eh_proj.weight"] = torch.cat((embed_DD, hidden_DD), dim=1)  # [e ; h] (module docstring)
+        out[f"{theirs}.embed_tokens.weight"] = sd["embed.weight"]
+        out[f"{theirs}.shared_head.head.weight"] = sd["embed.weight" if config.tie_embeddings else "lm_head.weight"]
+        out |= _layer_to_hf(config, sd, config.n_layers + k - 1, f"{ours}.block", theirs)
+    return out
+
+
+def _mtp_layer_norms_to_hf(sd: Mapping[str, torch.Tensor], ours: str) -> dict[str, torch.Tensor]:
+    """MTP module `ours`'s norms under their HF names (its block's two norms among them)."""
+    return {f"{hf_name}.weight": sd[f"{ours}.{our_name}.weight"] for our_name, hf_name in _MTP_NORMS.items()}
+
+
+# our name inside mtp.{k-1} → HF's inside model.layers.{L+k-1}
+_MTP_NORMS = {
+    "embed_norm": "enorm",
+    "hidden_norm": "hnorm",
+    "norm": "shared_head.norm",
+    "block.attn_norm": "input_layernorm",
+    "block.ffn_norm": "post_attention_layernorm",
+}
+
+
+def split_mtp(config: ModelConfig, hf_state: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """(what transformers' causal LM loads, the MTP layers it does not) of `to_hf`'s state."""
+    prefixes = tuple(f"model.layers.{config.n_layers + k}." for k in range(config.mtp.depth))
+    main = {name: tensor for name, tensor in hf_state.items() if not name.startswith(prefixes)}
+    return main, {name: tensor for name, tensor in hf_state.items() if name.startswith(prefixes)}
+
+
+def _layer_to_hf(config: ModelConfig, sd: Mapping[str, torch.Tensor], i: int, ours: str, theirs: str) -> dict:
+    """Block `ours` (layer i, or an MTP module's block when i >= L) as HF's decoder layer `theirs`, norms apart."""
+    out = {}
+    for our_name, hf_name, has_rope_rows in _mla_names(config):
+        tensor = sd[f"{ours}.attn.{our_name}"]
+        if has_rope_rows:
+            tensor = permute_rope_rows(tensor, *_mla_rope_rows(config, our_name), to_interleaved=True)
+        out[f"{theirs}.self_attn.{hf_name}"] = tensor
+    if not config.is_moe_layer(i):
+        out |= dense_mlp_to_hf(sd, f"{ours}.ffn", f"{theirs}.mlp", bias=False)
+        return out
+    router_ED = sd[f"{ours}.ffn.router.weight"]
+    out[f"{theirs}.mlp.gate.weight"] = router_ED
+    zero_bias_E = torch.zeros(config.moe.num_experts, dtype=torch.float32)  # no selection bias: chooses as ours
+    out[f"{theirs}.mlp.gate.e_score_correction_bias"] = sd.get(f"{ours}.ffn.router.expert_bias", zero_bias_E)
+    out |= experts_to_hf(sd, f"{ours}.ffn.experts", f"{theirs}.mlp.experts")
+    D, S = config.d_model, config.moe.num_shared_experts * config.moe.expert_d_ff
+    if S:
+        out |= dense_mlp_to_hf(sd, f"{ours}.ffn.shared_experts", f"{theirs}.mlp.shared_experts", bias=False)
+        return out
+    for hf_name, shape in (("gate_proj", (S, D)), ("up_proj", (S, D)), ("down_proj", (D, S))):
+        # a zero-width shared expert adds exactly 0
+        out[f"{theirs}.mlp.shared_experts.{hf_name}.weight"] = torch.zeros(shape, dtype=router_ED.dtype)
     return out
 
 
 def weights_from_hf(config: ModelConfig, hf: object, tensors: HFTensors) -> dict[str, Reader]:
-    note_ignored_mtp(hf, tensors.names())
+    if not config.mtp.depth:
+        note_ignored_mtp(hf, tensors.names())
     interleaved = hf.rope_interleave is not False  # transformers' default is True
     out = {}
     for i in range(config.n_layers):
-        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
-        for our_name, hf_name, has_rope_rows in _mla_names(config):
-            reader = tensors.reader(f"{theirs}.self_attn.{hf_name}")
-            if has_rope_rows and interleaved:
-                reader = _rotate_half_rows(reader, _mla_rope_rows(config, our_name))
-            out[f"{ours}.attn.{our_name}"] = reader
-        if not config.is_moe_layer(i):
-            out |= dense_mlp_from_hf(tensors, f"{theirs}.mlp", f"{ours}.ffn", bias=False)
-            continue
-        E = config.moe.num_experts
-        out[f"{ours}.ffn.router.weight"] = tensors.reader(f"{theirs}.mlp.gate.weight")
-        bias = tensors.reader(f"{theirs}.mlp.gate.e_score_correction_bias")
-        out[f"{ours}.ffn.router.expert_bias"] = lambda bias=bias: bias().float()
-        out[f"{ours}.ffn.router.load_since_update"] = lambda E=E: torch.zeros(E, dtype=torch.int64)
-        out |= experts_from_hf(tensors, f"{theirs}.mlp.experts", f"{ours}.ffn.experts", E)
-        if config.moe.num_shared_experts:
-            out |= dense_mlp_from_hf(tensors, f"{theirs}.mlp.shared_experts", f"{ours}.ffn.shared_experts", bias=False)
+        out |= _layer_from_hf(config, tensors, interleaved, i, f"blocks.{i}", f"model.layers.{i}")
+    for k in range(1, config.mtp.depth + 1):
+        ours, theirs = f"mtp.{k - 1}", f"model.layers.{config.n_layers + k - 1}"
+        for our_name, hf_name in _MTP_NORMS.items():
+            out[f"{ours}.{our_name}.weight"] = tensors.reader(f"{theirs}.{hf_name}.weight")
+        out[f"{ours}.proj.weight"] = _hidden_first(tensors.reader(f"{theirs}.eh_proj.weight"))
+        out |= _layer_from_hf(config, tensors, interleaved, config.n_layers + k - 1, f"{ours}.block", theirs)
+    return out
+
+
+def _hidden_first(reader: Reader) -> Reader:
+    """eh_proj's [e ; h] columns as our M_k's [h ; e] (module docstring)."""
+
+    def read() -> torch.Tensor:
+        embed_DD, hidden_DD = reader().chunk(2, dim=1)
+        return torch.cat((hidden_DD, embed_DD), dim=1)
+
+    return read
+
+
+def _layer_from_hf(config: ModelConfig, tensors: HFTensors, interleaved: bool, i: int, ours: str, theirs: str) -> dict:
+    """HF's decoder layer `theirs` as our block `ours` (layer i, or an MTP module's block when i >= L), norms apart."""
+    out = {}
+    for our_name, hf_name, has_rope_rows in _mla_names(config):
+        reader = tensors.reader(f"{theirs}.self_attn.{hf_name}")
+        if has_rope_rows and interleaved:
+            reader = _rotate_half_rows(reader, _mla_rope_rows(config, our_name))
+        out[f"{ours}.attn.{our_name}"] = reader
+    if not config.is_moe_layer(i):
+        out |= dense_mlp_from_hf(tensors, f"{theirs}.mlp", f"{ours}.ffn", bias=False)
+        return out
+    E = config.moe.num_experts
+    out[f"{ours}.ffn.router.weight"] = tensors.reader(f"{theirs}.mlp.gate.weight")
+    bias = tensors.reader(f"{theirs}.mlp.gate.e_score_correction_bias")
+    out[f"{ours}.ffn.router.expert_bias"] = lambda bias=bias: bias().float()
+    out[f"{ours}.ffn.router.load_since_update"] = lambda E=E: torch.zeros(E, dtype=torch.int64)
+    out |= experts_from_hf(tensors, f"{theirs}.mlp.experts", f"{ours}.ffn.experts", E)
+    if config.moe.num_shared_experts:
+        out |= dense_mlp_from_hf(tensors, f"{theirs}.mlp.shared_experts", f"{ours}.ffn.shared_experts", bias=False)
     return out
 
 
