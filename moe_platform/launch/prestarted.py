@@ -50,6 +50,7 @@ def import_the_command() -> ModuleType:
     import torch.distributed.fsdp  # noqa: F401
 
     import moe_platform.launch.cli as cli
+    import moe_platform.train.trainer  # noqa: F401  (cli.run imports it late: 1-2 s per rank, torch._dynamo with it)
 
     return cli
 
