@@ -36,7 +36,8 @@ class AttentionLogits:
     def __init__(self, model: nn.Module, config: TrainConfig) -> None:
         self.tau = config.optim.qk_clip
         self.enabled = self.tau is not None or config.logging.attention_max_logit
-        self.n_layers, self.n_heads = config.model.n_layers, config.model.n_heads
+        # every block's attention, the MTP modules' after the main layers (their blocks are numbered on from L)
+        self.n_layers, self.n_heads = config.model.num_blocks, config.model.n_heads
         self.layers: dict[int, nn.Module] = {}
         if self.enabled:
             for module in model.modules():
@@ -60,9 +61,9 @@ class AttentionLogits:
             return
         self.clipped_heads += int((max_LH > self.tau).sum())  # every layer's, this rank's stages or not
         for layer, module in self.layers.items():
-            gamma_H = (self.tau / max_LH[layer]).clamp(max=1.0)
-            if bool((gamma_H < 1).any()):
-                clip_heads_(module, gamma_H)
+            over_H = max_LH[layer] > self.tau  # only those: a layer no forward ran holds -inf, and τ / -inf = -0
+            if bool(over_H.any()):
+                clip_heads_(module, torch.where(over_H, self.tau / max_LH[layer], 1.0))
 
     def record(self) -> dict[str, Any]:
         if self.window_max_LH is None:

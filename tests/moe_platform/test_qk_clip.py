@@ -66,7 +66,7 @@ def attention_inputs(watch: AttentionLogits, model, input_ids) -> dict[int, tupl
     for layer, module in watch.layers.items():
         record = lambda module, args, kwargs, layer=layer: seen.setdefault(layer, (args, kwargs))  # noqa: E731
         hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
-    model(input_ids)
+    model(input_ids, labels_BT=input_ids.roll(-1, dims=1))  # with labels: the MTP module's attention runs too
     for hook in hooks:
         hook.remove()
     return seen
@@ -90,7 +90,7 @@ def test_a_clip_brings_the_heads_over_tau_to_tau_and_leaves_the_rest(name: str) 
     middle = len(ordered) // 2
     tau = float(ordered[middle - 1] + ordered[middle]) / 2  # between two heads' maxima: none sits on τ
     watch.tau = tau
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    weights = {id(p): p.detach().clone() for p in model.parameters()}
     for layer, (args, kwargs) in inputs.items():  # the step's forward, as the recorders see it
         watch.layers[layer](*args, **kwargs)
     watch.after_step()
@@ -102,13 +102,26 @@ def test_a_clip_brings_the_heads_over_tau_to_tau_and_leaves_the_rest(name: str) 
     # over the layer's rows may round one element differently once other rows changed)
     torch.testing.assert_close(after_LH[~over], before_LH[~over], rtol=1e-6, atol=0)
     assert watch.record()["attn/qk_clipped_heads"] == int(over.sum())
-    for layer in watch.layers:  # a layer with no head over τ keeps its weights bit for bit
+    for layer, module in watch.layers.items():  # a layer with no head over τ keeps its weights bit for bit
         if not over[layer].any():
-            prefix = f"blocks.{layer}.attn."
-            assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if n.startswith(prefix))
-    if name == "MLA":  # the shared rotary key is not touched
-        assert all(torch.equal(m.w_kv_down.weight, weights[f"blocks.{i}.attn.w_kv_down.weight"])
-                   for i, m in watch.layers.items())  # fmt: skip
+            assert all(torch.equal(p, weights[id(p)]) for p in module.parameters())
+    if name == "MLA":  # the shared rotary key is not touched (the MTP module's attention is layer L here)
+        assert len(watch.layers) == config.model.num_blocks > config.model.n_layers
+        assert all(torch.equal(m.w_kv_down.weight, weights[id(m.w_kv_down.weight)]) for m in watch.layers.values())
+
+
+def test_a_layer_no_forward_ran_is_left_alone() -> None:
+    """Without labels the MTP module's attention does not run: its maximum stays -inf, and however low τ, its weights
+    keep every bit while every layer that ran is clipped."""
+    config, model = watched_model("MLA", tau=1e-3)
+    watch = AttentionLogits(model, config)
+    weights = {id(p): p.detach().clone() for p in model.parameters()}
+    model(torch.randint(0, config.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)))
+    watch.after_step()
+    idle = watch.layers[config.model.n_layers]  # the MTP module's attention
+    assert all(torch.equal(p, weights[id(p)]) for p in idle.parameters())
+    for layer in range(config.model.n_layers):
+        assert not torch.equal(watch.layers[layer].w_kv_up.weight, weights[id(watch.layers[layer].w_kv_up.weight)])
 
 
 @pytest.mark.parametrize(
