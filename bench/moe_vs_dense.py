@@ -404,7 +404,9 @@ def main(argv: list[str] | None = None) -> dict:
         skipped["moe-4x2-muon"] = f"{MUON_CONFIG.relative_to(ROOT)} does not exist on this branch (optim=muon is "
         skipped["moe-4x2-muon"] += "added on another one)"
     start = time.monotonic()
-    corpus = build_corpus(args.out / "corpus", size.max_files, size.val_fraction)
+    # one corpus directory per file limit: --quick's 60 files and the full stdlib do not overwrite each other
+    corpus_dir = args.out / ("corpus" if size.max_files is None else f"corpus_{size.max_files}_files")
+    corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction)
     print(f"corpus built in {time.monotonic() - start:.1f} s: {corpus.files:,} files, {corpus.bytes:,} bytes")
     results = run_all(size, [r for r in rows if r not in skipped], args.out, corpus, args.jobs, args.threads)
     print_results(size, corpus, rows, results, skipped)
