@@ -102,7 +102,7 @@ def test_predicted_peak_is_within_10_percent_of_every_ranks_measured_peak(tmp_pa
     # The worst rank, the one a layout's fit is decided by, within 10%. Every rank within 10% too, except under
     # FSDP2: on gloo its asynchronous all-gathers finish at varying times, so whether the prefetched block is live at
     # a rank's peak varies, and ranks of one run spread by up to ±9% around the one figure the model gives them
-    # (20 runs, 2026-12-03); each of its ranks is held within 15%.
+    # (nine runs of fsdp_ep2 and hsdp, 2026-12-03); each of its ranks is held within 15%.
     assert max(predicted) == pytest.approx(max(measured), rel=0.10), (name, measured, predicted)
     per_rank = 0.15 if "fsdp" in name or "hsdp" in name else 0.10
     for rank, (held, planned) in enumerate(zip(measured, predicted, strict=True)):
