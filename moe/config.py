@@ -308,11 +308,16 @@ def ffn_num_params_of_block(config: ModelConfig, layer: int) -> tuple[int, int, 
     )
 
 
+def mtp_projection_num_params(config: ModelConfig) -> int:
+    """M_k of one MTP module: the [2D -> D] matrix over [h ; Emb(t_{i+k})], without bias."""
+    return 2 * config.d_model**2
+
+
 def mtp_module_num_params(config: ModelConfig) -> tuple[int, int]:
     """(total, active) of one MTP module's own parameters: RMSNorm(h) and RMSNorm(Emb) (2 norms), M_k 2D·D, one
     block like the last layer (attention, 2 norms, FFN), and the norm before the shared head."""
     ffn_total, ffn_active, _ = ffn_num_params_of_block(config, config.n_layers - 1)  # built like the last layer
-    outside_ffn = 2 * config.d_model**2 + attention_num_params(config) + 5 * norm_num_params(config)
+    outside_ffn = mtp_projection_num_params(config) + attention_num_params(config) + 5 * norm_num_params(config)
     return outside_ffn + ffn_total, outside_ffn + ffn_active
 
 

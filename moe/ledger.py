@@ -23,7 +23,14 @@ from moe.checkpointing import MODES as CHECKPOINTING
 
 # Parameter counts live with the config (`ModelConfig.num_params()`); the ledger only reads them, so the import
 # arrow points one way: ledger → config.
-from moe.config import ModelConfig, attention_num_params, count_parameters, memoized_by_config, norm_num_params
+from moe.config import (
+    ModelConfig,
+    attention_num_params,
+    count_parameters,
+    memoized_by_config,
+    mtp_projection_num_params,
+    norm_num_params,
+)
 from moe.dispatch import expert_capacity
 from moe.ffn import ffn_num_params
 from moe.flops import matmul_flops_per_token  # the FLOP table lives there: moe/stages.py costs layers with it
@@ -375,7 +382,7 @@ def muon_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, i
     for layers, (_, routed) in zip(blocks, held, strict=True):
         dense = sum(_block_params(config, layer)[0] - _adamw_block_params(config, layer) for layer in layers)
         if run.pipeline_size == 1:
-            dense += config.mtp.depth * 2 * config.d_model**2
+            dense += config.mtp.depth * mtp_projection_num_params(config)
         muon.append((dense, routed))
     return muon
 
@@ -442,7 +449,8 @@ def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
     units = [params.embedding + params.lm_head + norm_num_params(config)]
     for layer in range(config.num_blocks):
         dense, routed = _block_params(config, layer)
-        mtp_extra = 3 * norm_num_params(config) + 2 * config.d_model**2 if layer >= config.n_layers else 0
+        own = 3 * norm_num_params(config) + mtp_projection_num_params(config)  # an MTP module's, beside its block
+        mtp_extra = own if layer >= config.n_layers else 0
         units.append(dense + mtp_extra + routed // ep_size)
     return units
 
