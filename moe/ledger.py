@@ -199,7 +199,6 @@ def _check_expert_parallel(config: ModelConfig, ep_size: int, world_size: int | 
 
 def _check_layout(config: ModelConfig, run: RunShape) -> None:
     _check_pipeline(run)
-    _check_no_mtp(config, run)
     _check_expert_parallel(config, run.ep_size, run.dp_size)
     R = run.replicate_size
     if R < 1 or (R > 1 and not run.fsdp) or run.dp_size % R:
@@ -242,18 +241,9 @@ Figure = TypeVar("Figure")
 
 def pipeline_layout(config: ModelConfig, run: RunShape) -> StageLayout:
     """The stages the trainer builds: `run.layout` (checked by parse_layout), else the FLOP-balanced layout."""
-    _check_no_mtp(config, run)
     if run.layout is not None:
         return parse_layout([list(stage) for stage in run.layout], config.n_layers, run.pipeline_size, run.schedule)
     return balanced_layout(config, run.seq_len, run.pipeline_size, run.schedule, run.virtual_stages)
-
-
-def _check_no_mtp(config: ModelConfig, run: RunShape) -> None:
-    if run.pipeline_size > 1 and config.mtp.depth:
-        raise ValueError(
-            f"pipeline_size={run.pipeline_size} is not modelled with model.mtp.depth={config.mtp.depth} (the trainer "
-            "refuses it too): use pipeline_size=1 or mtp depth 0"
-        )
 
 
 def _check_pipeline(run: RunShape) -> None:
@@ -327,10 +317,31 @@ def _block_params(config: ModelConfig, layer: int) -> tuple[int, int]:
     return attention_num_params(config) + norms + moe.num_params(config.d_model, config.activation) - routed, routed
 
 
+def _mtp_params(config: ModelConfig) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of the MTP modules: each one's block (built like the last layer), its
+    three norms and M_k; the embedding and head they share are counted where they are held."""
+    dense, routed = _block_params(config, config.n_layers - 1)
+    own = 3 * norm_num_params(config) + mtp_projection_num_params(config)
+    return config.mtp.depth * (dense + own), config.mtp.depth * routed
+
+
+def runs_mtp(config: ModelConfig, layout: StageLayout, pipeline_rank: int) -> bool:
+    """Whether the pipeline rank runs the MTP modules: those of a model with any, on the rank of the last stage."""
+    return bool(config.mtp.depth) and layout.num_stages - 1 in layout.stages_of_rank(pipeline_rank)
+
+
+def holds_embedding_copy(config: ModelConfig, layout: StageLayout, pipeline_rank: int) -> bool:
+    """Whether the pipeline rank holds a second copy of the embedding: it runs the MTP modules, which read the
+    embedding of the tokens ahead, but not the first stage (the V schedules run both on one rank, which shares one)."""
+    return runs_mtp(config, layout, pipeline_rank) and 0 not in layout.stages_of_rank(pipeline_rank)
+
+
 @memoized_by_config
 def held_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, int]]:
     """(non-expert, routed-expert) parameters each pipeline rank's stages hold, the routed experts all E of their
-    layers (a rank keeps E/EP); at PP = 1 the whole model's, once. Summed over ranks: the model's total."""
+    layers (a rank keeps E/EP); at PP = 1 the whole model's, once. The last stage's rank also holds the MTP modules
+    and, unless it runs the first stage too, a copy of the embedding: summed over ranks, the model's total plus
+    that copy."""
     if run.pipeline_size == 1:
         params = count_parameters(config)
         return [(params.total - params.routed_experts, params.routed_experts)]
@@ -338,6 +349,10 @@ def held_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, i
     held = []
     for p in range(run.pipeline_size):
         pieces = [_piece_params(config, piece) for stage in stage_pieces(layout, p) for piece in stage]
+        if runs_mtp(config, layout, p):
+            pieces.append(_mtp_params(config))
+        if holds_embedding_copy(config, layout, p):
+            pieces.append(_piece_params(config, EMBED))
         held.append((sum(dense for dense, _ in pieces), sum(routed for _, routed in pieces)))
     return held
 
@@ -371,17 +386,19 @@ def muon_params_by_rank(config: ModelConfig, run: RunShape) -> list[tuple[int, i
     held = held_params_by_rank(config, run)
     if run.optimizer == "adamw":
         return [(0, 0) for _ in held]
-    blocks = [range(config.num_blocks)]  # the MTP modules' blocks too (a pipeline refuses MTP)
-    if run.pipeline_size > 1:
+    mtp_blocks = list(range(config.n_layers, config.num_blocks))
+    blocks, with_mtp = [[*range(config.n_layers), *mtp_blocks]], [True]
+    if run.pipeline_size > 1:  # each rank's layers, and the MTP modules' blocks on the last stage's
         layout = pipeline_layout(config, run)
+        with_mtp = [runs_mtp(config, layout, r) for r in range(run.pipeline_size)]
         blocks = [
-            [p for stage in stage_pieces(layout, r) for p in stage if isinstance(p, int)]
-            for r in range(run.pipeline_size)
+            [p for stage in stage_pieces(layout, r) for p in stage if isinstance(p, int)] + (mtp_blocks if mtp else [])
+            for r, mtp in enumerate(with_mtp)
         ]
     muon = []
-    for layers, (_, routed) in zip(blocks, held, strict=True):
+    for layers, mtp, (_, routed) in zip(blocks, with_mtp, held, strict=True):
         dense = sum(_block_params(config, layer)[0] - _adamw_block_params(config, layer) for layer in layers)
-        if run.pipeline_size == 1:
+        if mtp:
             dense += config.mtp.depth * mtp_projection_num_params(config)
         muon.append((dense, routed))
     return muon
@@ -457,14 +474,21 @@ def fsdp_unit_params(config: ModelConfig, ep_size: int) -> list[int]:
 
 def pipeline_fsdp_unit_params(config: ModelConfig, run: RunShape, pipeline_rank: int) -> list[int]:
     """FSDP's units on one pipeline rank (parallel/pipeline.py's shard_stages): each of its stages' roots (the
-    embedding; the final norm and head) and each of its blocks, with the block's routed experts cut to E/EP."""
+    embedding; the final norm and head, with the embedding's copy where the rank runs MTP but not the first stage)
+    and each of its blocks, with the block's routed experts cut to E/EP; then each MTP module on the last stage's."""
+    layout = pipeline_layout(config, run)
     units = []
-    for pieces in stage_pieces(pipeline_layout(config, run), pipeline_rank):
+    for stage, pieces in zip(layout.stages_of_rank(pipeline_rank), stage_pieces(layout, pipeline_rank), strict=True):
         root = sum(_piece_params(config, piece)[0] for piece in pieces if not isinstance(piece, int))
+        if stage == layout.num_stages - 1 and holds_embedding_copy(config, layout, pipeline_rank):
+            root += _piece_params(config, EMBED)[0]
         units += [root] if root else []
         for layer in (piece for piece in pieces if isinstance(piece, int)):
             dense, routed = _block_params(config, layer)
             units.append(dense + routed // run.ep_size)
+    if runs_mtp(config, layout, pipeline_rank):
+        dense, routed = _mtp_params(config)
+        units += [(dense + routed // run.ep_size) // config.mtp.depth] * config.mtp.depth
     return units
 
 
@@ -905,9 +929,9 @@ def pipeline_activation_bytes(config: ModelConfig, run: RunShape, pipeline_rank:
             config, rows, S, run.precision, run.checkpointing, run.attention_mask, layers=layers, head=head
         )
         stage_kept = acts.attention + acts.ffn + acts.moe + acts.dispatch
-        if head:
+        if head:  # and the MTP modules, which run on the last stage
             logits_kept, logits_gradients = _logits_bytes(config, N, s)
-            stage_kept += logits_kept
+            stage_kept += logits_kept + acts.mtp
         stage_kept += (0 if head else boundary) - (boundary if stage > 0 else 0)
         kept += counts[stage] * stage_kept
         recompute = max(recompute, acts.recompute)
@@ -1245,9 +1269,15 @@ def _pipeline_table(config: ModelConfig, run: RunShape) -> str:
         mine = layout.stages_of_rank(p)
         flight = " + ".join(str(acts.in_flight[stage]) for stage in mine)
         dense, routed = held[p]
+        pieces = {stage: [*map(str, layout.stages[stage])] for stage in mine}
+        if runs_mtp(config, layout, p):  # the MTP modules after the head, reading the embedding's copy
+            pieces[layout.num_stages - 1] += [
+                "mtp",
+                *(["(embed copy)"] if holds_embedding_copy(config, layout, p) else []),
+            ]
         rows.append([
             str(p),
-            " | ".join(" ".join(map(str, layout.stages[stage])) for stage in mine),
+            " | ".join(" ".join(pieces[stage]) for stage in mine),
             f"{dense + routed // run.ep_size:,}",
             _human(state, "B"),
             *([_human(transient, "B")] if run.fsdp else []),
@@ -1267,7 +1297,13 @@ def _pipeline_table(config: ModelConfig, run: RunShape) -> str:
     s = ACTIVATION_BYTES[run.precision]
     notes = [
         ("bubble", f"{bubble:.1%}", f"{BUBBLE_FORMULAS[run.schedule]}: a stage's idle share of a step, no comms"),
-        ("params held", "-", "its stages' pieces, routed experts / EP; the rows sum to the model"),
+        (
+            "params held",
+            "-",
+            "its stages' pieces, routed experts / EP; the rows sum to the model"
+            + (" and the last stage's copy of the embedding (MTP)" if any(
+                holds_embedding_copy(config, layout, p) for p in range(P)) else ""),
+        ),
         ("in flight", "-", f"micro-batches held per stage at the peak, {IN_FLIGHT_FORMULAS[run.schedule]}"),
         (
             "activations",

@@ -6,6 +6,9 @@ layer indices, and the final norm and head `norm`, `head` (last stage). Read in 
     embed, 0, 1, …, L-1, norm, head
 
 so every layer is run once and activations only flow forward (Megatron's --pipeline-model-parallel-layout idea).
+The multi-token-prediction modules (model.mtp.depth > 0) run where the head runs, on the last stage, which then
+also holds a copy of the embedding they share with the first stage (parallel/pipeline.py sums the two copies'
+gradients): layouts do not spell them.
 The balanced layout cuts the layers into S contiguous runs minimising the costliest stage, the cost of a layer
 being its training matmul FLOPs per token: attention (GQA or MLA) plus its FFN (dense, or router + top-k and shared
 experts); the head's 2·D·V goes to the last stage, the embedding (a lookup) costs nothing.
@@ -60,7 +63,8 @@ def style_of(schedule: str) -> str:
 
 @memoized_by_config
 def layer_costs(config: ModelConfig, seq_len: int) -> tuple[int, ...]:
-    """Training matmul FLOPs per token of each layer (3 × forward), the head's added to the last."""
+    """Training matmul FLOPs per token of each layer (3 × forward), the head's and the MTP modules' (which run on
+    the stage of the head) added to the last."""
     flops = matmul_flops_per_token(config, seq_len)
     attention = (flops.projections + flops.attention) // config.n_layers
     costs = []
@@ -70,7 +74,7 @@ def layer_costs(config: ModelConfig, seq_len: int) -> tuple[int, ...]:
         else:
             ffn = ffn_matmul_flops_per_token(config.d_model, config.d_ff, config.activation)
         costs.append(3 * (attention + ffn))
-    costs[-1] += 3 * flops.lm_head
+    costs[-1] += 3 * (flops.lm_head + flops.mtp)
     return tuple(costs)
 
 

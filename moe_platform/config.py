@@ -560,13 +560,14 @@ class TrainConfig:
         pp, pipeline = self.distributed.pipeline_parallel_size, self.distributed.pipeline
         if pp == 1:
             return
-        # The MTP modules read the shared embedding after the last layer, so the last stage would need the first
-        # stage's embedding and the two gradients summed (torchtitan #933): not built, refused instead.
+        # Module k ≥ 2 embeds its tokens with the weight module 1 did and runs on module 1's output, so in torch 2.13's
+        # split backward (stage_backward_weight) one parameter group's intermediates feed each other and its one
+        # autograd pass frees what the next group's needs ("backward through the graph a second time").
         _require(
-            self.model.mtp.depth == 0,
-            f"model.mtp.depth={self.model.mtp.depth} needs the shared embedding after the last layer, which "
-            f"distributed.pipeline_parallel_size={pp} puts on another stage: set model.mtp.depth=0 or "
-            "distributed.pipeline_parallel_size=1",
+            self.model.mtp.depth <= 1 or pipeline.schedule not in V_SHAPED,
+            f"distributed.pipeline.schedule={pipeline.schedule} splits each backward into input and weight gradients, "
+            f"which torch cannot do through the model.mtp.depth={self.model.mtp.depth} MTP modules that share one "
+            "embedding: use model.mtp.depth=1 or schedule 1f1b, gpipe or interleaved_1f1b",
         )
         stages = pp * pipeline.stages_per_rank
         layers = self.model.n_layers

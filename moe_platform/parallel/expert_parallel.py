@@ -77,17 +77,20 @@ def clip_grad_norm(
     max_norm: float,
     groups: ExpertParallelGroups | None,
     stages_group: dist.ProcessGroup | None = None,
+    uncounted: frozenset[str] = frozenset(),
 ) -> float:
     """Scale all gradients so the global norm is at most `max_norm` (torch's clipping rule, as without EP);
     returns the norm before clipping. Under pipeline parallelism the model holds one stage's weights, and
     `stages_group` (one rank per stage) adds the stages' squares:
-        ‖g‖² = Σ_stages (‖g_replicated‖² + Σ_EP blocks ‖g_block‖²)."""
+        ‖g‖² = Σ_stages (‖g_replicated‖² + Σ_EP blocks ‖g_block‖²);
+    the parameters named in `uncounted` are another stage's copies (the embedding under MTP): clipped, not counted."""
     replicated, experts = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
             (experts if is_expert_parameter(name) else replicated).append(p)
     device = next(model.parameters()).device
-    replicated_sq = _sum_of_squares(replicated, device)
+    copies = {id(p) for name, p in model.named_parameters() if name in uncounted}
+    replicated_sq = _sum_of_squares([p for p in replicated if id(p) not in copies], device)
     expert_sq = _sum_of_squares(experts, device)
     if groups is not None and groups.expert_parallel.size > 1:
         dist.all_reduce(expert_sq, group=groups.expert_parallel.group)

@@ -127,19 +127,23 @@ def shard_model(model: nn.Module, meshes: ShardingMeshes, policy: ShardingPolicy
 
 
 @torch.no_grad()
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm(model: nn.Module, max_norm: float, uncounted: frozenset[str] = frozenset()) -> float:
     """Scale all gradients so the global norm is at most `max_norm` (torch's rule); returns the norm before.
 
     ‖g‖² = Σ_ranks Σ_local ‖shard‖² / copies: each rank's shards, divided by how many ranks hold the same shard
     (R on the dense mesh under HSDP, 1 otherwise: expert shards are distinct on every rank), in one all-reduce.
+    The parameters named in `uncounted` are copies another pipeline stage counts (the embedding under MTP):
+    clipped, not counted.
     """
     grads, sum_sq = [], None
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
         if parameter.grad is None:
             continue
         grad = parameter.grad
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         grads.append(local)
+        if name in uncounted:
+            continue
         part = local.double().pow(2).sum() / _copies(grad)
         sum_sq = part if sum_sq is None else sum_sq + part
     device = next(model.parameters()).device

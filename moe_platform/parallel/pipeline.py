@@ -14,11 +14,22 @@ the names of the unsplit model, so its state dict is a subset of one process's a
 other pipeline, EP or data-parallel size. Each stage is a `StageModule` over those pieces, the unit that
 `PipelineStage` runs (a rank of the interleaved and V schedules runs several).
 
-Losses. The last stage computes the LM loss per micro-batch (the schedule's `loss_fn`, a token mean), and the
-schedule divides every gradient by the m micro-batches, as accumulation divides one process's: the same gradient.
+Losses. The last stage computes the LM loss per micro-batch (the schedule's `loss_fn`, a token mean), and every
+gradient is divided by the m micro-batches after the schedule, as accumulation divides one process's: the same
+gradient.
 A stage's MoE aux and z losses stay in that stage: `StageModule` hands its output through `_WithAuxLoss`, the
 identity in forward, whose backward also gives the stage's aux loss the gradient 1 (∂(L_lm + L_aux)/∂L_aux), so
 the stage's own backward carries it and nothing extra crosses the pipeline. A stage without MoE layers has none.
+
+Multi-token prediction (model.mtp.depth > 0) runs on the last stage, after the head, as one process runs it: the
+MTP modules read the final norm's output, the labels (every stage is handed them, as the document ids) and the
+embedding of the tokens ahead, and their loss L_MTP (with their blocks' aux losses) rides `_WithAuxLoss` like the
+blocks' aux losses. The embedding is then held twice, on the first stage and on the last (torchtitan #933,
+Megatron's embedding group), unless one rank runs both (the V schedules), which share the one module. Both copies
+start equal (materialize fills every copy with the plain build's values) and stay equal: after the backward the
+pair of ranks {first stage, last stage} of each data-parallel index sums the two gradients, g_E = g_first + g_last,
+one process's gradient (`SharedEmbedding`), so both take the same optimizer step; the grad norm counts the first
+stage's copy only.
 
 Gradients. Under DDP the schedule leaves each rank its gradient summed over its micro-batches; after the step
 `sync_gradients` averages the non-expert ones over the stage's D ranks and the experts' over their EDP group
@@ -45,10 +56,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from moe import MoELayer, Transformer
 from moe.expert_parallel import expert_parameters, is_expert_parameter
 from moe.model import Block, total_aux_loss
+from moe.mtp import mtp_loss, mtp_targets
 from moe.stages import EMBED, HEAD, StageLayout
 from moe.stats import MoEStats
 from moe_platform.parallel import expert_parallel
@@ -137,12 +150,14 @@ def keep_stages(model: Transformer, layout: StageLayout, stage_ids: list[int]) -
     for i in range(len(model.blocks)):
         if i not in pieces:
             model.blocks[i] = AbsentBlock()
-    if EMBED not in pieces:
+    runs_mtp = HEAD in pieces and model.mtp is not None  # the MTP modules run after the head, on the last stage
+    if EMBED not in pieces and not runs_mtp:  # the MTP modules embed the tokens ahead: the last stage keeps a copy
         model.embed = None
         model.pos_embed = None
     if HEAD not in pieces:  # the layout puts norm and head together on the last stage
         model.final_norm = None
         model.lm_head = None
+        model.mtp = None
 
 
 def held_blocks(model: Transformer) -> list[Block]:
@@ -167,32 +182,40 @@ class _WithAuxLoss(torch.autograd.Function):
 
 @dataclass
 class StageRecord:
-    """What one micro-batch's forward of a stage leaves for the log: its MoE layers' aux loss and counts."""
+    """What one micro-batch's forward of a stage leaves for the log: its MoE layers' aux loss and counts (the MTP
+    modules' blocks' among them, numbered L … L + K - 1), and on the last stage of a model with MTP its L_MTP."""
 
     aux_loss: torch.Tensor
     stats: dict[int, MoEStats] = field(default_factory=dict)
+    mtp_loss: torch.Tensor | None = None
 
 
 class StageModule(nn.Module):
     """Stage s: ids → embedding (first stage) or the previous stage's hidden states x_BTD → its blocks → the next
-    stage's input, or logits_BTV (last stage). `document_ids_BT` reaches every stage (the ranks of a pipeline read
-    the same batch), which builds the attention context from it again."""
+    stage's input, or logits_BTV (last stage, after which the MTP modules run given `labels_BT`). `document_ids_BT`
+    and `labels_BT` reach every stage (the ranks of a pipeline read the same batch); each stage builds the attention
+    context from the document ids again."""
 
     def __init__(self, model: Transformer, pieces: tuple) -> None:
         super().__init__()
         self.is_first, self.is_last = EMBED in pieces, HEAD in pieces
         self.layer_ids = [piece for piece in pieces if isinstance(piece, int)]
-        # Registered here as well as in the model (the same modules): FSDP shards a stage as one unit.
+        self.runs_mtp = self.is_last and model.mtp is not None
+        # Registered here as well as in the model (the same modules): FSDP shards a stage as one unit, and the
+        # zero-bubble schedules compute the weight gradients of the stage's own parameters.
         self.blocks = nn.ModuleList(model.blocks[i] for i in self.layer_ids)
-        self.embed = model.embed if self.is_first else None
-        self.pos_embed = model.pos_embed if self.is_first else None
+        self.embed = model.embed if self.is_first or self.runs_mtp else None
+        self.pos_embed = model.pos_embed if self.is_first or self.runs_mtp else None
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+        self.mtp = model.mtp if self.runs_mtp else None
         object.__setattr__(self, "model", model)  # not a child: the model's pieces keep the unsplit names
         self.records: list[StageRecord] = []
         self.expected_output: tuple | None = None  # (shape, dtype) the schedule sends on (build_schedule)
 
-    def forward(self, x: torch.Tensor, document_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, document_ids_BT: torch.Tensor | None = None, labels_BT: torch.Tensor | None = None
+    ) -> torch.Tensor:
         T = x.shape[1]
         positions_T = torch.arange(T, device=x.device)
         x_BTD = self.model.embed_tokens(x, positions_T) if self.is_first else x
@@ -201,19 +224,38 @@ class StageModule(nn.Module):
         for block in self.blocks:
             x_BTD, moe_output = block(x_BTD, rope_cos_sin, mask, None, None)
             moe_outputs.append(moe_output)
-        held = [out for out in moe_outputs if out is not None]
-        if held:
-            aux = total_aux_loss(held, x_BTD)
-            stats = {i: out.stats for i, out in zip(self.layer_ids, moe_outputs, strict=True) if out is not None}
-            self.records.append(StageRecord(aux.detach().float(), stats))
-            x_BTD = _WithAuxLoss.apply(x_BTD, aux)
-        out = self.lm_head(self.final_norm(x_BTD)) if self.is_last else x_BTD
+        if not self.is_last:
+            out = self._carry_losses(x_BTD, moe_outputs, None)
+        else:
+            h_BTD, mtp = self.final_norm(x_BTD), None
+            if self.runs_mtp and labels_BT is not None:  # training; evaluation and the NaN replay pass no labels
+                mtp = self._predict_further(h_BTD, labels_BT, positions_T, document_ids_BT, moe_outputs)
+            out = self.lm_head(self._carry_losses(h_BTD, moe_outputs, mtp))
         if self.expected_output is not None and out.dtype != self.expected_output[1]:
             raise RuntimeError(
                 f"pipeline stage of layers {self.layer_ids} computed {out.dtype}, but the schedule was built to send "
                 f"{self.expected_output[1]} (MicroBatchShape)"
             )
         return out
+
+    def _predict_further(self, h_BTD, labels_BT, positions_T, document_ids_BT, moe_outputs) -> torch.Tensor:
+        """L_MTP of the micro-batch, as Transformer.forward computes it; the MTP blocks' outputs join `moe_outputs`."""
+        model = self.model
+        logits = model._predict_further(h_BTD, labels_BT, positions_T, None, document_ids_BT, moe_outputs)
+        targets = mtp_targets(labels_BT, document_ids_BT, len(model.mtp))
+        return mtp_loss(logits, targets, loss_weight=model.config.mtp.loss_weight)
+
+    def _carry_losses(self, x: torch.Tensor, moe_outputs: list, mtp: torch.Tensor | None) -> torch.Tensor:
+        """x, through `_WithAuxLoss` carrying the stage's aux losses (and L_MTP) where it has any; recorded."""
+        held = [out for out in moe_outputs if out is not None]
+        if not held and mtp is None:
+            return x
+        aux = total_aux_loss(held, x)
+        L, ran = self.model.config.n_layers, len(moe_outputs) - len(self.layer_ids)  # ran: the MTP modules' blocks
+        layer_ids = [*self.layer_ids, *range(L, L + ran)]
+        stats = {i: out.stats for i, out in zip(layer_ids, moe_outputs, strict=True) if out is not None}
+        self.records.append(StageRecord(aux.detach().float(), stats, mtp.detach() if mtp is not None else None))
+        return _WithAuxLoss.apply(x, aux if mtp is None else aux + mtp)
 
     def take_records(self) -> list[StageRecord]:
         records, self.records = self.records, []
@@ -232,8 +274,10 @@ def split_experts(model: Transformer, meshes: PipelineMeshes) -> None:
 
 
 def shard_stages(model: Transformer, stages: list[StageModule], meshes: PipelineMeshes, policy: ShardingPolicy) -> None:
-    """FSDP2 inside a stage: experts on the stage's (ep, edp) mesh with divide factor D, each block, then each
-    stage as a root (its embedding, or final norm and head), as fsdp.shard_model does for the whole model."""
+    """FSDP2 inside a stage: experts on the stage's (ep, edp) mesh with divide factor D, each block and MTP module,
+    then each stage as a root (its embedding, or final norm and head), as fsdp.shard_model does for the whole
+    model. Where one rank's two stages share the embedding (a V schedule with MTP) it is a unit of its own, which
+    neither root then claims."""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = policy.kwargs()
@@ -247,6 +291,11 @@ def shard_stages(model: Transformer, stages: list[StageModule], meshes: Pipeline
                     module.experts.set_force_sum_reduction_for_comms(True)
     for block in held_blocks(model):
         fully_shard(block, mesh=meshes.stage.dense, **kwargs)
+    for module in model.mtp or ():
+        fully_shard(module, mesh=meshes.stage.dense, **kwargs)
+    if sum(stage.embed is not None for stage in stages) > 1:
+        fully_shard([model.embed, *([model.pos_embed] if model.pos_embed is not None else [])],
+                    mesh=meshes.stage.dense, **kwargs)  # fmt: skip
     for stage in stages:
         fully_shard(stage, mesh=meshes.stage.dense, **{**kwargs, "reshard_after_forward": False})
 
@@ -287,7 +336,7 @@ def build_schedule(
     shape: MicroBatchShape,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
-    """torch's schedule over this rank's stages; every gradient is divided by the micro-batches (scale_grads).
+    """torch's schedule over this rank's stages, every gradient divided by the micro-batches (`MeanOverMicroBatches`).
     The stages are given their shapes: without them `PipelineStage` infers them with a forward and backward of the
     first micro-batch, whose routing counts and random draws one process does not make."""
     pipeline_stages = []
@@ -298,12 +347,76 @@ def build_schedule(
             PipelineStage(stage, s, layout.num_stages, device, inputs, outputs, group=meshes.pipeline_group)
         )
     cls = SCHEDULE_CLASSES[schedule]
-    if layout.style == "single":
-        return cls(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    chosen = pipeline_stages[0] if layout.style == "single" else pipeline_stages
+    torch_schedule = cls(chosen, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return MeanOverMicroBatches(torch_schedule, stages[0].model, microbatches)
+
+
+class MeanOverMicroBatches:
+    """torch's schedule whose step then divides every gradient of the rank's model by the m micro-batches, once.
+    torch's own scaling (scale_grads) divides each stage's parameters, so a parameter two stages of one rank share
+    (the embedding of a V schedule with MTP) would be divided twice. Everything else is the schedule's."""
+
+    def __init__(self, schedule, model: Transformer, microbatches: int) -> None:
+        self.schedule, self.model, self.microbatches = schedule, model, microbatches
+
+    def step(self, *args, **kwargs):
+        out = self.schedule.step(*args, **kwargs)
+        with torch.no_grad():  # after FSDP2's reduce-scatter, as torch's scaling (a DTensor shard divides alike)
+            for parameter in self.model.parameters():  # each parameter once, shared or not
+                if parameter.grad is not None:
+                    parameter.grad.div_(self.microbatches)
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.schedule, name)
 
 
 # ---- gradients -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedEmbedding:
+    """The embedding's two copies under MTP (module docstring): `group` pairs this rank with the rank of the same
+    data-parallel index on the other end of the pipeline; `names` are the shared parameters; `counted` says whether
+    this rank's copy counts in the grad norm (the first stage's does, the last stage's equal copy does not)."""
+
+    group: dist.ProcessGroup
+    names: tuple[str, ...]
+    counted: bool
+
+    @property
+    def uncounted(self) -> frozenset[str]:
+        return frozenset() if self.counted else frozenset(self.names)
+
+
+def share_embedding(model: Transformer, layout: StageLayout, meshes: PipelineMeshes) -> SharedEmbedding | None:
+    """Collective, once, on every rank: the pairs {first stage's rank, last stage's rank} of each data-parallel
+    index d (global ranks p·D + d, build_meshes' order); this rank's pair, or None where it holds no copy (no MTP,
+    a V schedule whose one rank runs both stages, or a rank between the two)."""
+    first, last = layout.rank_of_stage(0), layout.rank_of_stage(layout.num_stages - 1)
+    if model.config.mtp.depth == 0 or first == last:
+        return None
+    D = meshes.dp_size
+    group, _ = dist.new_subgroups_by_enumeration([[first * D + d, last * D + d] for d in range(D)])
+    if meshes.pipeline_rank not in (first, last):
+        return None
+    names = tuple(name for name, _ in model.named_parameters() if name.split(".")[0] in (EMBED, "pos_embed"))
+    return SharedEmbedding(group, names, counted=meshes.pipeline_rank == first)
+
+
+@torch.no_grad()
+def sum_embedding_gradients(model: Transformer, shared: SharedEmbedding | None) -> None:
+    """g_E = g_first + g_last on both copies (module docstring): one all-reduce per shared parameter over the pair.
+    Under FSDP both copies are sharded alike over their stage's D ranks, so the local shards line up."""
+    if shared is None:
+        return
+    for name in shared.names:
+        parameter = model.get_parameter(name)
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grad = parameter.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=shared.group)
 
 
 @torch.no_grad()
@@ -326,9 +439,12 @@ def sync_gradients(model: Transformer, meshes: PipelineMeshes) -> None:
         reduce_expert_gradients(model, groups)
 
 
-def clip_grad_norm(model: Transformer, max_norm: float, meshes: PipelineMeshes) -> float:
-    """DDP under PP: expert_parallel.clip_grad_norm, the stages' squares summed over the pipeline group."""
-    return expert_parallel.clip_grad_norm(model, max_norm, meshes.expert_groups, meshes.pipeline_group)
+def clip_grad_norm(
+    model: Transformer, max_norm: float, meshes: PipelineMeshes, uncounted: frozenset[str] = frozenset()
+) -> float:
+    """DDP under PP: expert_parallel.clip_grad_norm, the stages' squares summed over the pipeline group; the
+    parameters `uncounted` (the last stage's copy of the embedding) are clipped but counted by another stage."""
+    return expert_parallel.clip_grad_norm(model, max_norm, meshes.expert_groups, meshes.pipeline_group, uncounted)
 
 
 # ---- forward only (evaluation) -------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ per activation element, p bytes per gathered weight, G GPUs per node.
 compute   = F_rank · T_rank / (peak[dtype] · matmul_efficiency)  +  bytes_moved / (HBM · memory_efficiency)
             + per_layer_overhead_s · layers_rank · m.
             F_rank: the training matmul FLOPs per token of the rank's stages (moe.stages.layer_costs: 3 × forward,
-            the head on the last stage), + one more forward of what activation checkpointing rebuilds ("full": the
-            blocks, "moe": the MoE layers), the routed experts' share × `imbalance` on the most loaded EP rank.
+            the head and the MTP modules on the last stage), + one more forward of what activation checkpointing
+            rebuilds ("full": the blocks, "moe": the MoE layers), the routed experts' share × `imbalance` on the
+            most loaded EP rank.
             T_rank = global batch × S / D tokens. dtype: the run's precision (bf16, fp32: plain FP32, not TF32), or
             `matmul_dtype` (e.g. fp8 for a run whose GEMMs are FP8, like DeepSeek-V3's: the planner then assumes
             every matmul at that rate, an upper bound on what FP8 training gets, whose attention and some GEMMs
@@ -203,8 +204,6 @@ def _rank_work(
     head = 3 * matmul_flops_per_token(model, run.seq_len).lm_head
     layers = [layer for stage_layers, _ in stages for layer in stage_layers]
     flops_per_token = float(sum(costs[layer] for layer in layers))
-    if layout is None:  # the MTP modules (a pipeline refuses them)
-        flops_per_token += 3 * matmul_flops_per_token(model, run.seq_len).mtp
     moe_layers = [layer for layer in layers if model.is_moe_layer(layer)]
     if model.moe is not None and run.ep_size > 1:  # the busiest EP rank runs `imbalance` × the mean expert work
         routed = model.moe.top_k * ffn_matmul_flops_per_token(model.d_model, model.moe.expert_d_ff, model.activation)

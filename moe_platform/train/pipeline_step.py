@@ -4,8 +4,9 @@ reduces. The mechanics (meshes, stage modules, schedules) are parallel/pipeline.
 
 One step, on every rank of a pipeline: the step's `grad_accum` loader batches (the same rows on every stage of
 the pipeline, read at its data-parallel index) are one batch that the schedule cuts into m micro-batches; the first
-stage embeds the ids, the last computes the LM loss per micro-batch; then the gradients are synced inside each
-stage (DDP) or were reduce-scattered by FSDP2, and clipped with the norm over all stages.
+stage embeds the ids, the last computes the LM loss per micro-batch (and the MTP loss, from the labels every stage
+is handed); then the gradients are synced inside each stage (DDP) or were reduce-scattered by FSDP2, the two
+copies of the embedding summed under MTP, and clipped with the norm over all stages.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class PipelineTraining:
         self.stages = pipeline.stage_modules(model, self.layout, self.stage_ids)
         if self.fsdp:
             pipeline.shard_stages(model, self.stages, self.meshes, sharding_policy(self.config))
+        self.shared_embedding = pipeline.share_embedding(model, self.layout, self.meshes)
         self.model = model
 
     def start(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -90,11 +92,14 @@ class PipelineTraining:
 
     # ---- one step --------------------------------------------------------------------------------------------------
 
-    def forward_backward(self, batches: list[dict]) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+    def forward_backward(self, batches: list[dict]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, dict]:
         """The schedule over the step's batches; returns the LM loss of each micro-batch (last stage, else none),
-        the mean over micro-batches of this rank's stages' aux losses, and its MoE layers' counts summed."""
+        the means over micro-batches of this rank's stages' aux losses and of L_MTP (0 off the last stage and
+        without MTP), and its MoE layers' counts summed."""
         ids, labels, documents = self._batch(batches)
         kwargs = {"document_ids_BT": documents} if documents is not None else {}
+        if self.config.model.mtp.depth:  # the last stage's MTP modules read the labels
+            kwargs["labels_BT"] = labels
         losses: list[torch.Tensor] = []
         args = (ids,) if self.has_first else ()
         with self._autocast():
@@ -103,19 +108,26 @@ class PipelineTraining:
                 return_outputs=False, **kwargs,
             )  # fmt: skip
         records = [record for stage in self.stages for record in stage.take_records()]
-        aux = sum((record.aux_loss for record in records), torch.zeros(())) / self.run.microbatches
+        m = self.run.microbatches
+        aux = sum((record.aux_loss for record in records), torch.zeros(())) / m
+        mtp = sum((record.mtp_loss for record in records if record.mtp_loss is not None), torch.zeros(())) / m
         stats: dict[int, MoEStats] = {}
         for record in records:
             for layer, layer_stats in record.stats.items():
                 stats[layer] = stats[layer] + layer_stats if layer in stats else layer_stats
-        return [loss.detach() for loss in losses], aux, stats
+        return [loss.detach() for loss in losses], aux, mtp, stats
 
     def clip_gradients(self, max_norm: float) -> float:
-        """Sync inside each stage (DDP), then the global norm over every stage and clipping; the norm before."""
+        """Sync inside each stage (DDP), the embedding's two copies summed (MTP), then the global norm over every
+        stage, the embedding once, and clipping; the norm before."""
+        shared = self.shared_embedding
+        uncounted = shared.uncounted if shared is not None else frozenset()
         if self.fsdp:  # every gradient is a DTensor shard: the all-reduce over all ranks counts each stage once
-            return fsdp.clip_grad_norm(self.model, max_norm)
+            pipeline.sum_embedding_gradients(self.model, shared)
+            return fsdp.clip_grad_norm(self.model, max_norm, uncounted)
         pipeline.sync_gradients(self.model, self.meshes)
-        return pipeline.clip_grad_norm(self.model, max_norm, self.meshes)
+        pipeline.sum_embedding_gradients(self.model, shared)
+        return pipeline.clip_grad_norm(self.model, max_norm, self.meshes, uncounted)
 
     def logits(self, batch: dict) -> torch.Tensor | None:
         """One batch's logits through every stage (evaluation), on the last stage's rank; None elsewhere."""
@@ -127,7 +139,8 @@ class PipelineTraining:
                                          self.config.model.d_model)  # fmt: skip
 
     def stage_of_module(self, name: str) -> int:
-        """The stage running module `name` (for naming where a NaN began, in stage order)."""
+        """The stage running module `name` (for naming where a NaN began, in stage order): the MTP modules are the
+        last stage's, the embedding the first stage's."""
         parts = name.split(".")
         if parts[0] == "blocks" and len(parts) > 1:
             layer = int(parts[1])
@@ -141,7 +154,7 @@ class PipelineTraining:
         if config.moe is None:
             return stats
         padded = dict(stats)
-        for layer in range(config.n_layers):
+        for layer in range(config.num_blocks):  # the MTP modules' blocks too
             if config.is_moe_layer(layer) and layer not in padded:
                 padded[layer] = MoEStats.zeros(config.moe.num_experts)
         return padded

@@ -367,17 +367,16 @@ class Trainer:
 
     def _pipeline_step(self, batches) -> tuple[float, float, float, float, dict[int, MoEStats], bool]:
         """One optimizer step through the pipeline schedule (train/pipeline_step.py); returns what train_step does,
-        with a loss of 0 on ranks without the last stage (the log's reduction counts the last stage's), and no MTP
-        loss (a pipeline refuses model.mtp.depth > 0: config.py)."""
+        with LM and MTP losses of 0 on ranks without the last stage (the log's reduction counts the last stage's)."""
         step = self.state.step + 1
         inputs = [next(batches) for _ in range(self.grad_accum)]
         faults.point("forward", step)
         faults.point("backward", step)  # inside the schedule both run micro-batch by micro-batch
-        lm_losses, aux_loss, stats = self.pipeline.forward_backward(inputs)
+        lm_losses, aux_loss, mtp_loss, stats = self.pipeline.forward_backward(inputs)
         grad_norm, applied = self._update()
         self._after_update(step, applied, inputs, lm_losses or [aux_loss])
         lm_loss = float(torch.stack(lm_losses).mean()) if lm_losses else 0.0
-        return lm_loss, float(aux_loss), 0.0, grad_norm, stats, applied
+        return lm_loss, float(aux_loss), float(mtp_loss), grad_norm, stats, applied
 
     def _checkpoint_parts(self, model: torch.nn.Module) -> list[CheckpointPart]:
         """What checkpoints hold beside Accelerate's files: under FSDP every rank's shards through DCP; experts by
@@ -483,8 +482,8 @@ class Trainer:
             (math.nan, math.nan, math.nan)
         ]  # every step of the window skipped (nan_guard.py)
         losses = torch.tensor(window_losses, dtype=torch.float64, device=self.accelerator.device).mean(dim=0)
-        # Σ over ranks / D: the mean over data-parallel ranks (all ranks without PP); under PP the LM loss is the
-        # last stage's (0 elsewhere) and the aux loss the sum of every stage's
+        # Σ over ranks / D: the mean over data-parallel ranks (all ranks without PP); under PP the LM and MTP losses
+        # are the last stage's (0 elsewhere) and the aux loss the sum of every stage's
         losses = self.accelerator.reduce(losses, reduction="sum") / self._dp_size()
         tokens_per_s = window.tokens_per_s(self.tokens_per_step)
         record: dict[str, Any] = {

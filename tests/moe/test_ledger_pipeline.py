@@ -22,6 +22,7 @@ from moe.ledger import (
     expert_params_per_rank,
     fsdp_unit_params,
     held_params_by_rank,
+    muon_params_by_rank,
     params_per_rank,
     pipeline_activation_bytes,
     pipeline_fsdp_unit_params,
@@ -52,7 +53,7 @@ TORCH_CLASSES = {
 
 
 def preset(name: str) -> ModelConfig:
-    """The preset without its MTP module, which a pipeline refuses (moe/ledger.py, moe_platform/config.py)."""
+    """The preset without its MTP module, so that the pieces are the layout's alone (with MTP: the tests at the end)."""
     return train_config([f"model={name}", "model.mtp.depth=0"]).model
 
 
@@ -451,7 +452,14 @@ def test_format_ledger_prints_a_row_per_pipeline_rank_and_the_bubble() -> None:
 
 # ---- against a measured step -----------------------------------------------------------------------------------
 
-MEASURED = {"1f1b": 1, "zbv": 2, "gpipe": 1}  # schedule: stages per rank; moe_tiny, 2 ranks, m = 4 micro-batches
+# case: (schedule, overrides); moe_tiny, 2 ranks, m = 4 micro-batches; "1f1b mtp": two MTP modules and the
+# embedding's copy on the last stage
+MEASURED = {
+    "1f1b": ("1f1b", []),
+    "zbv": ("zbv", []),
+    "gpipe": ("gpipe", []),
+    "1f1b mtp": ("1f1b", ["model.mtp.depth=2"]),
+}
 
 
 def measure_a_pipeline_step_on_this_rank(rank: int, world_size: int) -> dict[str, tuple[float, float]]:
@@ -468,8 +476,8 @@ def measure_a_pipeline_step_on_this_rank(rank: int, world_size: int) -> dict[str
     torch.set_num_threads(1)
     micro, seq, m = 2, 128, 4
     results = {}
-    for schedule in MEASURED:
-        config = train_config([
+    for case, (schedule, overrides) in MEASURED.items():
+        config = train_config([*overrides,
             "model=moe_tiny", "distributed=ddp", f"distributed.pipeline_parallel_size={world_size}",
             f"distributed.pipeline.schedule={schedule}", f"data.global_batch_size={micro * m}",
             f"trainer.micro_batch_size={micro}", f"data.seq_len={seq}",
@@ -491,11 +499,12 @@ def measure_a_pipeline_step_on_this_rank(rank: int, world_size: int) -> dict[str
         )
         last = layout.num_stages - 1 in stage_ids
         args = (batch[:, :-1],) if 0 in stage_ids else ()
+        labels = {"labels_BT": batch[:, 1:]} if config.model.mtp.depth else {}
         with measure_peak("cpu", start_bytes=storage_bytes([*model.parameters(), batch])) as peak:
-            steps.step(*args, target=batch[:, 1:] if last else None, return_outputs=False)
+            steps.step(*args, target=batch[:, 1:] if last else None, return_outputs=False, **labels)
         held = sum(p.numel() for p in model.parameters())
         predicted = held * 8 + activation_bytes_per_rank(config.model, run, meshes.pipeline_rank)
-        results[schedule] = (peak.peak_bytes, predicted)
+        results[case] = (peak.peak_bytes, predicted)
     return results
 
 
@@ -510,10 +519,55 @@ def test_the_ledger_predicts_a_measured_pipeline_step() -> None:
             assert measured == pytest.approx(predicted, rel=0.2), (schedule, rank)
 
 
-def test_a_pipeline_with_mtp_is_refused_in_one_sentence() -> None:
-    """The MTP modules would need the shared embedding on the last stage: the ledger models no such layout, as the
-    trainer builds none."""
-    config = train_config(["model=deepseek_v3_like_tiny"]).model
-    with pytest.raises(ValueError, match=r"model\.mtp\.depth=1") as error:
-        held_params_by_rank(config, pipelined(2, "1f1b", 1))
-    assert ". " not in str(error.value)
+# ---- multi-token prediction -------------------------------------------------------------------------------------
+
+# (model, pipeline size, schedule, stages per rank): deepseek_v3_like_tiny has 3 layers, too few for 4 stages
+MTP_PIPELINES = [
+    ("deepseek_v3_like_tiny", 2, "1f1b", 1), ("deepseek_v3_like_tiny", 3, "gpipe", 1),
+    ("moe_tiny", 2, "interleaved_1f1b", 2), ("moe_tiny", 2, "zbv", 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize(("name", "pp", "schedule", "virtual"), MTP_PIPELINES, ids=[p[2] for p in MTP_PIPELINES])
+def test_under_mtp_each_rank_holds_what_the_trainer_builds_for_it(
+    name, pp: int, schedule: str, virtual: int, optimizer
+):
+    """The ledger's per-rank parameters, Muon's share and FSDP's units are those of the model the trainer keeps on
+    that rank (parallel/pipeline.py's keep_stages): the last stage's rank holds the MTP modules and, unless it runs
+    the first stage too (a V schedule), a copy of the embedding, so the ranks sum to the model plus that copy."""
+    import torch
+
+    from moe import Transformer
+    from moe.expert_parallel import is_expert_parameter
+    from moe_platform.parallel.pipeline import keep_stages
+    from moe_platform.train.optimizers import param_groups
+
+    muon_override = ["optim=muon"] if optimizer == "muon" else []
+    config = train_config([f"model={name}", "model.mtp.depth=2", *muon_override])
+    model_config = config.model
+    run = pipelined(pp, schedule, virtual, 4, seq_len=64, micro_batch_size=2, fsdp=True, dp_size=2, ep_size=2,
+                    optimizer=optimizer)  # fmt: skip
+    layout = pipeline_layout(model_config, run)
+    copy = layout.rank_of_stage(0) != layout.rank_of_stage(layout.num_stages - 1)
+    held, muon = held_params_by_rank(model_config, run), muon_params_by_rank(model_config, run)
+    params = count_parameters(model_config)
+    assert sum(d + r for d, r in held) == params.total + copy * params.embedding
+    for p in range(pp):
+        with torch.device("meta"):
+            model = Transformer(model_config)
+        keep_stages(model, layout, layout.stages_of_rank(p))
+        named = dict(model.named_parameters())
+        routed = sum(x.numel() for name, x in named.items() if is_expert_parameter(name))
+        assert held[p] == (sum(x.numel() for x in named.values()) - routed, routed), p
+        assert (model.mtp is not None) == (layout.num_stages - 1 in layout.stages_of_rank(p))
+        groups = {group["name"]: group["params"] for group in param_groups(model, config.optim)}
+        stepped = groups.get("muon", [])
+        expert_ids = {id(x) for name, x in named.items() if is_expert_parameter(name)}
+        muon_routed = sum(x.numel() for x in stepped if id(x) in expert_ids)
+        assert muon[p] == (sum(x.numel() for x in stepped) - muon_routed, muon_routed), p
+        dense, routed = held[p]
+        assert sum(pipeline_fsdp_unit_params(model_config, run, p)) == dense + routed // run.ep_size
+    # the balanced cut weighs the MTP modules on the last stage
+    costs = layer_costs(model_config, 64)
+    assert costs[-1] > layer_costs(preset(name), 64)[-1]
