@@ -569,6 +569,14 @@ class TrainConfig:
             f"which torch cannot do through the model.mtp.depth={self.model.mtp.depth} MTP modules that share one "
             "embedding: use model.mtp.depth=1 or schedule 1f1b, gpipe or interleaved_1f1b",
         )
+        # The V schedules run the first and the last stage on one rank, each stage an FSDP2 root of its own, and a
+        # module two roots hold is refused by FSDP2 at the first forward ("already been lazily initialized").
+        _require(
+            not (self.model.mtp.depth and pipeline.schedule in V_SHAPED and self.distributed.strategy == "fsdp"),
+            f"distributed.pipeline.schedule={pipeline.schedule} runs the first and the last stage on one rank, whose "
+            f"two FSDP2 roots cannot share the embedding that model.mtp.depth={self.model.mtp.depth} reads on both: "
+            "use distributed=ddp, or schedule 1f1b, gpipe or interleaved_1f1b",
+        )
         stages = pp * pipeline.stages_per_rank
         layers = self.model.n_layers
         _require(

@@ -276,8 +276,7 @@ def split_experts(model: Transformer, meshes: PipelineMeshes) -> None:
 def shard_stages(model: Transformer, stages: list[StageModule], meshes: PipelineMeshes, policy: ShardingPolicy) -> None:
     """FSDP2 inside a stage: experts on the stage's (ep, edp) mesh with divide factor D, each block and MTP module,
     then each stage as a root (its embedding, or final norm and head), as fsdp.shard_model does for the whole
-    model. Where one rank's two stages share the embedding (a V schedule with MTP) it is a unit of its own, which
-    neither root then claims."""
+    model. (A V schedule with MTP would need one embedding in two roots, which FSDP2 refuses: config.py does.)"""
     from torch.distributed.fsdp import fully_shard
 
     kwargs = policy.kwargs()
@@ -293,9 +292,6 @@ def shard_stages(model: Transformer, stages: list[StageModule], meshes: Pipeline
         fully_shard(block, mesh=meshes.stage.dense, **kwargs)
     for module in model.mtp or ():
         fully_shard(module, mesh=meshes.stage.dense, **kwargs)
-    if sum(stage.embed is not None for stage in stages) > 1:
-        fully_shard([model.embed, *([model.pos_embed] if model.pos_embed is not None else [])],
-                    mesh=meshes.stage.dense, **kwargs)  # fmt: skip
     for stage in stages:
         fully_shard(stage, mesh=meshes.stage.dense, **{**kwargs, "reshard_after_forward": False})
 

@@ -50,13 +50,17 @@ def test_a_pipeline_with_mtp_trains_and_resumes_like_one_process(tmp_path: Path,
     assert all(record["mtp_loss"] > 0 for record in records.values())
 
 
-def test_a_v_schedule_takes_one_mtp_module_and_refuses_more_in_one_sentence() -> None:
+def test_a_v_schedule_takes_one_mtp_module_under_ddp_and_refuses_the_rest_in_one_sentence() -> None:
     """zbv and dualpipev split each backward into input and weight gradients, which torch 2.13 cannot do through
-    MTP modules chained on one embedding (config.py says why); depth 1, and the other schedules at any depth, run."""
+    MTP modules chained on one embedding, and put the first and last stage, two FSDP2 roots, on one rank (config.py
+    says why); depth 1 under DDP, and the other schedules at any depth, run."""
     v_schedule = ["model=moe_tiny", "distributed=ddp", "distributed.pipeline_parallel_size=2",
                   "distributed.pipeline.schedule=zbv"]  # fmt: skip
     with pytest.raises(ConfigError, match=r"distributed\.pipeline\.schedule=zbv splits each backward") as error:
         train_config([*v_schedule, "model.mtp.depth=2"])
     assert ". " not in str(error.value)
     train_config([*v_schedule, "model.mtp.depth=1"])
+    with pytest.raises(ConfigError, match=r"two FSDP2 roots cannot share the embedding") as error:
+        train_config([*v_schedule, "model.mtp.depth=1", "distributed=fsdp"])
+    assert ". " not in str(error.value)
     train_config([*v_schedule[:-1], "distributed.pipeline.schedule=interleaved_1f1b", "model.mtp.depth=2"])
