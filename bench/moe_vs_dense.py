@@ -10,8 +10,9 @@ the same question of our platform, at CPU size, through the real `moe-train`:
     dense-total      dense FFN of width E·F: the MoE's total parameters
     moe-fine-shared  1 shared + 7 routed experts of width F/2, top-3: the same active (4·F/2) and total (8·F/2)
                      widths as moe-4x2, cut finer (DeepSeekMoE's segmentation and shared expert)
-    moe-4x2-muon     moe-4x2 trained with `optim=muon` (its own lr), only where conf/optim/muon.yaml exists: another
-                     branch adds Muon, this one does not, and the row says so instead of running
+    moe-4x2-muon     moe-4x2 trained with `optim=muon` (conf/optim/muon.yaml: its lr and schedule)
+    dense-active-muon, dense-total-muon
+                     the dense rows under `optim=muon`: the MoE-vs-dense question asked again with Muon for every row
     balanced-8x2     8 routed experts of width F, top-2, aux 0.01: the collapse row's control (one seed, short)
     collapse         balanced-8x2 with model.moe.aux_loss_coef=0 and no balancing bias (one seed, short): the routing
                      alert (moe_platform/monitor/alerts.py) must fire within the run, and moe-report's HTML show it.
@@ -60,7 +61,7 @@ import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from queue import Queue
 
@@ -70,8 +71,6 @@ sys.path.insert(0, str(ROOT))
 from moe import count_parameters  # noqa: E402
 from moe_platform.config import load_run_config  # noqa: E402
 from moe_platform.testing import Prestarted, subprocess_env  # noqa: E402
-
-MUON_CONFIG = ROOT / "conf" / "optim" / "muon.yaml"
 
 
 @dataclass(frozen=True)
@@ -124,6 +123,8 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
         "dense-total": ["model=dense_tiny", f"model.d_ff={4 * F}"],
         "moe-fine-shared": [*fine_shared, f"model.moe.expert_d_ff={F // 2}"],
         "moe-4x2-muon": [*moe_4x2, "optim=muon"],  # Muon's own lr from its yaml; the same warmup and steps
+        "dense-active-muon": ["model=dense_tiny", f"model.d_ff={2 * F}", "optim=muon"],
+        "dense-total-muon": ["model=dense_tiny", f"model.d_ff={4 * F}", "optim=muon"],
         "balanced-8x2": moe_8x2,
         "collapse": [*moe_8x2, "model.moe.aux_loss_coef=0", "model.moe.router.bias_update_rate=0"],
     }
@@ -139,6 +140,9 @@ GAPS = (
     ("moe-fine-shared", "moe-4x2"),
     ("dense-total", "dense-active"),
     ("moe-4x2-muon", "moe-4x2"),
+    ("moe-4x2-muon", "dense-active-muon"),
+    ("moe-4x2-muon", "dense-total-muon"),
+    ("dense-active-muon", "dense-active"),
 )
 
 
@@ -276,8 +280,11 @@ def render_report(run_dir: Path) -> Path:
     return path
 
 
-def run_all(size: Size, rows: list[str], out: Path, corpus: Corpus, jobs: int, threads: int) -> list[RunResult]:
-    """Every (row, seed) of `rows`, `jobs` at a time, seeds outermost so a partial bench has whole seeds."""
+def run_all(
+    size: Size, rows: list[str], out: Path, corpus: Corpus, jobs: int, threads: int, extra: tuple[str, ...] = ()
+) -> list[RunResult]:
+    """Every (row, seed) of `rows`, `jobs` at a time, seeds outermost so a partial bench has whole seeds; `extra`
+    overrides follow every row's own (--extra: a pilot's variant)."""
     overrides = row_overrides(size)
     plan = [(row, seed) for seed in size.seeds for row in rows if row not in COLLAPSE_ROWS]
     plan[:0] = [(row, size.seeds[0]) for row in COLLAPSE_ROWS if row in rows]
@@ -290,7 +297,7 @@ def run_all(size: Size, rows: list[str], out: Path, corpus: Corpus, jobs: int, t
         try:
             run_size = replace(size, steps=size.collapse_steps, eval_every=0) if row in COLLAPSE_ROWS else size
             adamw = [] if "optim=muon" in overrides[row] else ["optim=adamw_cosine", f"optim.lr={size.lr}"]
-            args = [*adamw, *common_overrides(run_size, corpus, seed), *overrides[row]]
+            args = [*adamw, *common_overrides(run_size, corpus, seed), *overrides[row], *extra]
             result = run_one(server, row, seed, args, out, threads)
         finally:
             servers.put(server)
@@ -376,6 +383,16 @@ ROUTING = {
 }
 
 
+def size_field(item: str) -> tuple[str, object]:
+    """`FIELD=VALUE` of --set, the value parsed as the field's type (int or float)."""
+    name, _, value = item.partition("=")
+    kinds = {f.name: f.type for f in fields(Size)}
+    if name not in kinds or kinds[name] not in ("int", "float"):
+        numeric = [n for n, kind in kinds.items() if kind in ("int", "float")]
+        raise SystemExit(f"--set {item}: {name!r} is not a numeric field of the size: use one of {numeric}")
+    return name, (int if kinds[name] == "int" else float)(value)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the bench, print its tables, and return what --json writes."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -383,6 +400,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", help="comma-separated rows (default: all; --quick: dense-active,moe-4x2,collapse)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: 0,1,2; --quick: 0)")
     parser.add_argument("--steps", type=int, help="override the size's training steps")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the size (e.g. expert_d_ff=256, n_layers=8, lr=1e-3); repeatable",
+    )
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="OVERRIDE",
+        help="a moe-train override added to every row's (a pilot's variant); repeatable",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "moe_vs_dense")
@@ -394,21 +425,20 @@ def main(argv: list[str] | None = None) -> dict:
         size = replace(size, seeds=tuple(int(s) for s in args.seeds.split(",")))
     if args.steps:
         size = replace(size, steps=args.steps, eval_every=min(size.eval_every, args.steps))
+    size = replace(size, **dict(size_field(item) for item in args.set))
     default_rows = "dense-active,moe-4x2,collapse" if args.quick else ",".join(row_overrides(size))
     rows = (args.rows or default_rows).split(",")
     unknown = [row for row in rows if row not in row_overrides(size)]
     if unknown:
         raise SystemExit(f"--rows has {unknown}, which are not rows: use some of {list(row_overrides(size))}")
-    skipped = {}
-    if "moe-4x2-muon" in rows and not MUON_CONFIG.is_file():
-        skipped["moe-4x2-muon"] = f"{MUON_CONFIG.relative_to(ROOT)} does not exist on this branch (optim=muon is "
-        skipped["moe-4x2-muon"] += "added on another one)"
+    skipped: dict[str, str] = {}  # rows that cannot run here, with the reason printed in their place
     start = time.monotonic()
     # one corpus directory per file limit: --quick's 60 files and the full stdlib do not overwrite each other
     corpus_dir = args.out / ("corpus" if size.max_files is None else f"corpus_{size.max_files}_files")
     corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction)
     print(f"corpus built in {time.monotonic() - start:.1f} s: {corpus.files:,} files, {corpus.bytes:,} bytes")
-    results = run_all(size, [r for r in rows if r not in skipped], args.out, corpus, args.jobs, args.threads)
+    ran = [r for r in rows if r not in skipped]
+    results = run_all(size, ran, args.out, corpus, args.jobs, args.threads, tuple(args.extra))
     print_results(size, corpus, rows, results, skipped)
     print(f"\nbench wall time {time.monotonic() - start:.0f} s ({args.jobs} job(s) x {args.threads} thread(s))")
     summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped}

@@ -232,7 +232,8 @@ def _shard_counts(run: RunShape) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------------------
 #
 # PP pipeline ranks each run their stages (moe/stages.py): the embedding on the first stage, the final norm and head
-# on the last, and their layers. The dp_size = W/PP ranks of one stage split its experts over EP and shard it as a
+# on the last (with the MTP modules and, on a rank without the first stage, a copy of the embedding they read), and
+# their layers. The dp_size = W/PP ranks of one stage split its experts over EP and shard it as a
 # run without a pipeline shards the whole model, so every per-rank figure is today's applied to the pieces one
 # pipeline rank holds. Per-rank functions take that rank, `pipeline_rank`; None is the worst of them.
 

@@ -6,6 +6,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from moe import count_parameters
 from moe_platform.launch.compose import train_config
 
@@ -19,7 +21,6 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
     counts = {
         row: count_parameters(train_config([*overrides, *shape(size)]).model)
         for row, overrides in bench.row_overrides(size).items()
-        if row != "moe-4x2-muon"  # optim=muon may not exist on this branch; its model is moe-4x2's
     }
     routers = {row: size.n_layers * size.d_model * e for row, e in (("moe-4x2", 4), ("moe-fine-shared", 7))}
     assert counts["dense-active"].total == counts["moe-4x2"].active - routers["moe-4x2"]
@@ -28,6 +29,8 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
     assert counts["moe-fine-shared"].total - routers["moe-fine-shared"] == counts["dense-total"].total
     assert counts["collapse"] == counts["balanced-8x2"]  # only the balancing differs
     assert counts["collapse"].active == counts["moe-4x2"].active + size.n_layers * size.d_model * 4
+    for row in ("moe-4x2", "dense-active", "dense-total"):  # the Muon rows change the optimizer, not the model
+        assert counts[f"{row}-muon"] == counts[row]
 
 
 def shape(size) -> list[str]:
@@ -67,3 +70,13 @@ def test_the_quick_run_prints_every_row_with_finite_numbers(load_bench, tmp_path
     assert "<table id='alerts' class='alert'>" in page
     for alert in collapse["alerts"]:
         assert html.escape(alert["message"]) in page
+
+
+def test_set_overrides_a_numeric_field_of_the_size_and_refuses_others_in_one_sentence(load_bench) -> None:
+    bench = load_bench("moe_vs_dense")
+    assert bench.size_field("expert_d_ff=64") == ("expert_d_ff", 64)
+    assert bench.size_field("lr=1.5e-3") == ("lr", 1.5e-3)
+    for bad in ("seeds=0", "width=3"):  # a tuple field, and no field at all
+        with pytest.raises(SystemExit, match=rf"^--set {bad}: ") as error:
+            bench.size_field(bad)
+        assert ". " not in str(error.value)
