@@ -98,7 +98,8 @@ class Size:
 
 
 # Sized by the pilot in bench/README.md: dense-active measured ~3 min of CPU on one thread (0.44 s a step); the
-# others estimated from their FLOPs at up to ~1.4x that; 2 jobs on a quiet 2-core machine: ~25-35 min in all.
+# others estimated from their FLOPs at up to ~1.4x that; 2 jobs on a quiet 2-core machine:
+# ~25-35 min in all (~35-45 with the dense Muon rows).
 FULL = Size(
     d_model=96, n_layers=4, n_heads=4, n_kv_heads=2, expert_d_ff=128, seq_len=256, global_batch=16, steps=400,
     lr=3e-3, warmup_steps=20, log_every=20, eval_every=0, val_fraction=0.01, val_max_batches=None,
