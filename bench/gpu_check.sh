@@ -8,7 +8,7 @@
 #
 # The wheels: the GPU machine reaches no index, and a bare image lacks hydra, omegaconf, datasets, deepspeed…
 # On a machine with an index, for the GPU machine's Python (here 3.11) and without torch (the image's CUDA build
-# stays):   bench/gpu_wheels.sh 3.11 shared/wheels      then on the GPU machine: bench/gpu_check.sh --wheels shared/wheels
+# stays):   PYTHON=.venv/bin/python bench/gpu_wheels.sh shared/wheels   then on the GPU machine: bench/gpu_check.sh --wheels shared/wheels
 # Other flags go to bench/gpu_check.py (--out DIR, --pytest-args "-k ...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
