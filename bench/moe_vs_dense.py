@@ -29,6 +29,8 @@ It is tokenized byte-level (vocab 258: no tokenizer to train or download, and th
 whose variants are compared holds most of the parameters) into shards by `data_pipeline.prepare` (what `moe-data
 prepare data=hf_local` runs), and `moe-train data=tokenized` holds out `data.val.fraction` of the documents by hash
 of their bytes (data_pipeline/holdout.py): whole files, never seen in training, the same for every run.
+`--set bpe_vocab=N` tokenizes with a byte-level BPE of N tokens instead, trained on the training files alone (a pilot:
+bench/README.md says what it showed).
 
 Every run has the same tokens, schedule and seed set: seed s sets both trainer.seed (init) and data.seed (sample
 order), so row A and row B of seed s see the same batches in the same order; AdamW with warmup then cosine decay.
@@ -95,6 +97,7 @@ class Size:
     max_files: int | None  # the first N stdlib files in sorted order; None: all of them
     collapse_steps: int
     alert_consecutive_logs: int = 3  # logging's default
+    bpe_vocab: int = 0  # 0: byte-level (vocab 258); N: a byte-level BPE of N tokens trained on the training files
 
 
 # Sized by the pilot in bench/README.md: dense-active measured ~3 min of CPU on one thread (0.44 s a step); the
@@ -160,10 +163,12 @@ class Corpus:
     held_out_bytes: int
     sha256: str
     shards: str
+    bpe_vocab: int = 0  # 0: byte-level
 
 
-def build_corpus(out: Path, max_files: int | None, val_fraction: float) -> Corpus:
-    """The stdlib's *.py files as one jsonl (sorted paths, one document each), tokenized into shards in out/shards."""
+def build_corpus(out: Path, max_files: int | None, val_fraction: float, bpe_vocab: int = 0) -> Corpus:
+    """The stdlib's *.py files as one jsonl (sorted paths, one document each), tokenized into shards in out/shards:
+    byte-level, or with a BPE of `bpe_vocab` tokens trained on the files not held out (`train_bpe`)."""
     from data_pipeline import HFSourceConfig, TokenizerConfig, prepare
     from data_pipeline.holdout import holdout_mask_from_bytes
 
@@ -171,6 +176,7 @@ def build_corpus(out: Path, max_files: int | None, val_fraction: float) -> Corpu
     paths = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.relative_to(stdlib).parts)
     paths = paths[:max_files] if max_files is not None else paths
     digest, files, skipped, total, held_out_files, held_out_bytes = hashlib.sha256(), 0, 0, 0, 0, 0
+    training_texts: list[str] = []  # what a BPE may learn from: never a held-out file
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "stdlib.jsonl"
     with open(jsonl, "w", encoding="utf-8") as sink:
@@ -186,24 +192,54 @@ def build_corpus(out: Path, max_files: int | None, val_fraction: float) -> Corpu
             files, total = files + 1, total + len(raw)
             if holdout_mask_from_bytes([raw], val_fraction)[0]:  # the text's UTF-8 bytes are the file's bytes
                 held_out_files, held_out_bytes = held_out_files + 1, held_out_bytes + len(raw)
+            else:
+                training_texts.append(text)
             sink.write(json.dumps({"text": text, "path": relative}) + "\n")
+    tokenizer = TokenizerConfig()  # byte-level
+    if bpe_vocab:
+        bpe_file = train_bpe(training_texts, bpe_vocab, out / "tokenizer.json")
+        tokenizer = TokenizerConfig(name_or_path=str(bpe_file), eos_token=EOS)
     shards = out / "shards"
     prepare(
         HFSourceConfig(path="json", data_files=[str(jsonl)], cache_dir=str(out / "hf_cache")),
-        TokenizerConfig(),  # byte-level
+        tokenizer,
         str(shards),
         workers=1,
         progress=False,
     )
     python = f"{sys.implementation.name} {sys.version.split()[0]}"
     held_out = (held_out_files, held_out_bytes)
-    return Corpus(str(stdlib), python, files, skipped, total, *held_out, digest.hexdigest(), str(shards))
+    return Corpus(str(stdlib), python, files, skipped, total, *held_out, digest.hexdigest(), str(shards), bpe_vocab)
+
+
+EOS = "<|endoftext|>"
+
+
+def train_bpe(texts: list[str], vocab_size: int, path: Path) -> Path:
+    """A byte-level BPE (GPT-2's pre-tokenizer: every byte has a token, so nothing is unknown) of `vocab_size` tokens,
+    EOS included, learned from `texts` alone: the held-out files never shape the vocabulary they are scored in."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer)
+    bpe.save(str(path))
+    return path
 
 
 def common_overrides(size: Size, corpus: Corpus, seed: int) -> list[str]:
     """What every row shares: the shape, the data, the schedule and the seed."""
     val_max = "null" if size.val_max_batches is None else size.val_max_batches
-    return [
+    vocab = [f"model.vocab_size={corpus.bpe_vocab}"] if corpus.bpe_vocab else []
+    return [*vocab,
         f"model.d_model={size.d_model}", f"model.n_layers={size.n_layers}", f"model.n_heads={size.n_heads}",
         f"model.n_kv_heads={size.n_kv_heads}", f"model.max_seq_len={size.seq_len}",
         "data=tokenized", f"data.tokenized.path={corpus.shards}", f"data.seq_len={size.seq_len}",
@@ -330,7 +366,7 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
     print(
         f"\ncorpus: {corpus.python} stdlib ({corpus.source}): {corpus.files:,} files "
         f"({corpus.skipped_not_utf8} not UTF-8 left out), {corpus.bytes:,} bytes, sha256 {corpus.sha256[:16]}; "
-        f"byte-level; held out by hash (data.val.fraction={size.val_fraction:g}): {corpus.held_out_files} files, "
+        f"{f'BPE of {corpus.bpe_vocab} tokens' if corpus.bpe_vocab else 'byte-level'}; held out by hash (data.val.fraction={size.val_fraction:g}): {corpus.held_out_files} files, "
         f"{corpus.held_out_bytes:,} bytes"
     )
     print(
@@ -436,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.monotonic()
     # one corpus directory per file limit: --quick's 60 files and the full stdlib do not overwrite each other
     corpus_dir = args.out / ("corpus" if size.max_files is None else f"corpus_{size.max_files}_files")
-    corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction)
+    corpus_dir = corpus_dir.with_name(corpus_dir.name + (f"_bpe{size.bpe_vocab}" if size.bpe_vocab else ""))
+    corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction, size.bpe_vocab)
     print(f"corpus built in {time.monotonic() - start:.1f} s: {corpus.files:,} files, {corpus.bytes:,} bytes")
     ran = [r for r in rows if r not in skipped]
     results = run_all(size, ran, args.out, corpus, args.jobs, args.threads, tuple(args.extra))

@@ -80,3 +80,17 @@ def test_set_overrides_a_numeric_field_of_the_size_and_refuses_others_in_one_sen
         with pytest.raises(SystemExit, match=rf"^--set {bad}: ") as error:
             bench.size_field(bad)
         assert ". " not in str(error.value)
+
+
+def test_the_bpe_learns_from_the_training_texts_alone_and_round_trips_text(load_bench, tmp_path: Path) -> None:
+    """--set bpe_vocab=N: N tokens with EOS, every byte encodable (nothing unknown), text back exactly."""
+    import tokenizers
+
+    bench = load_bench("moe_vs_dense")
+    texts = [f"def f{i}(x):\n    return x * {i}  # héllo\n" for i in range(200)]
+    bpe = tokenizers.Tokenizer.from_file(str(bench.train_bpe(texts, 300, tmp_path / "tokenizer.json")))
+    assert bpe.get_vocab_size() <= 300 and bpe.token_to_id(bench.EOS) is not None
+    unseen = "class Ω:\n\tpass  # never in the training texts: ß, 漢"
+    for text in (texts[7], unseen):
+        assert bpe.decode(bpe.encode(text).ids) == text
+    assert len(bpe.encode(texts[7]).ids) < len(texts[7].encode())  # merges learned: fewer tokens than bytes
