@@ -366,7 +366,8 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
     print(
         f"\ncorpus: {corpus.python} stdlib ({corpus.source}): {corpus.files:,} files "
         f"({corpus.skipped_not_utf8} not UTF-8 left out), {corpus.bytes:,} bytes, sha256 {corpus.sha256[:16]}; "
-        f"{f'BPE of {corpus.bpe_vocab} tokens' if corpus.bpe_vocab else 'byte-level'}; held out by hash (data.val.fraction={size.val_fraction:g}): {corpus.held_out_files} files, "
+        f"{f'BPE of {corpus.bpe_vocab} tokens' if corpus.bpe_vocab else 'byte-level'}; held out by hash "
+        f"(data.val.fraction={size.val_fraction:g}): {corpus.held_out_files} files, "
         f"{corpus.held_out_bytes:,} bytes"
     )
     print(
