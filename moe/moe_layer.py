@@ -157,8 +157,24 @@ class MoELayer(nn.Module):
         self.router.update_balancing_bias(group)
 
 
+def balancing_routers(model: nn.Module) -> list[TopKRouter]:
+    """The routers of `model`'s MoE layers that balance by bias (aux-loss-free), in module order."""
+    return [m.router for m in model.modules() if isinstance(m, MoELayer) and m.router.uses_bias]
+
+
+def step_balancing_biases(routers: list[TopKRouter], group: dist.ProcessGroup | None = None) -> None:
+    """One bias step for each of `routers` from the loads counted since the last step, summed over `group` in a
+    single all-reduce of all layers' counts (one collective per optimizer step, not one per layer)."""
+    if not routers:
+        return
+    loads_LE = torch.cat([router.load_since_update for router in routers])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(loads_LE, group=group)
+    sizes = [router.load_since_update.numel() for router in routers]
+    for router, load_E in zip(routers, loads_LE.split(sizes), strict=True):
+        router.step_balancing_bias(load_E)
+
+
 def update_balancing_biases(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """Step the balancing bias of every MoE layer in `model` (a no-op for layers without bias balancing)."""
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.update_balancing_bias(group)
+    step_balancing_biases(balancing_routers(model), group)

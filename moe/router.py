@@ -192,8 +192,16 @@ class TopKRouter(nn.Module):
         load_E = self.load_since_update
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(load_E, group=group)
-        if int(load_E.sum()) > 0:
-            load_E = load_E.to(self.expert_bias.dtype)
-            # Overloaded experts (above the mean) lose rate, underloaded ones gain it; exactly average: no change.
-            self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.step_balancing_bias(load_E)
+
+    @torch.no_grad()
+    def step_balancing_bias(self, load_E: torch.Tensor) -> None:
+        """The bias step from `load_E`, the load already summed over the ranks, then a fresh count:
+
+            b_e ← b_e + u · sign(mean(load) − load_e)
+
+        Overloaded experts (above the mean) lose rate, underloaded ones gain it; exactly average (nothing counted
+        included: 0 − 0) no change, so no host sync is needed to test for an empty count."""
+        load_E = load_E.to(self.expert_bias.dtype)
+        self.expert_bias += self.config.bias_update_rate * torch.sign(load_E.mean() - load_E)
         self.load_since_update.zero_()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.moe_config import RouterConfig
+from moe.moe_layer import step_balancing_biases
 from moe.router import TopKRouter, balancing_probs, select_topk
 from moe_platform.testing import run_distributed
 
@@ -168,20 +169,35 @@ def test_balancing_state_is_in_the_state_dict_and_restores():
     assert torch.equal(restored.load_since_update, router.load_since_update)
 
 
-def apply_one_bias_step_on_this_rank(rank: int, world_size: int) -> tuple[list[float], list[int]]:
-    router = TopKRouter(4, 4, 1, RouterConfig(renormalize_topk=False, bias_update_rate=0.01))
+def one_hot_router(num_experts: int, local_ids: list[int]) -> TopKRouter:
+    """A top-1 router with identity weights that has counted `local_ids` in one training forward."""
+    router = TopKRouter(num_experts, num_experts, 1, RouterConfig(renormalize_topk=False, bias_update_rate=0.01))
     with torch.no_grad():
-        router.weight.copy_(torch.eye(4))
-    local = [[0, 0, 0, 1], [2, 2, 3, 3]][rank]  # summed over ranks: loads [3, 1, 2, 2], mean 2
-    router(torch.nn.functional.one_hot(torch.tensor(local), 4).float())
-    router.update_balancing_bias()
-    return router.expert_bias.tolist(), router.load_since_update.tolist()
+        router.weight.copy_(torch.eye(num_experts))
+    router(torch.nn.functional.one_hot(torch.tensor(local_ids), num_experts).float())
+    return router
+
+
+def apply_one_bias_step_on_this_rank(rank: int, world_size: int) -> list[tuple[list[float], list[int]]]:
+    """One router stepped alone, then three (of 4, 3 and 4 experts) stepped together by step_balancing_biases."""
+    alone = one_hot_router(4, [[0, 0, 0, 1], [2, 2, 3, 3]][rank])  # summed over ranks: [3, 1, 2, 2], mean 2
+    alone.update_balancing_bias()
+    together = [
+        one_hot_router(4, [[0, 0, 0, 1], [2, 2, 3, 3]][rank]),  # [3, 1, 2, 2]
+        one_hot_router(3, [[0, 1, 1], [1, 1, 1]][rank]),  # [1, 5, 0], mean 2
+        one_hot_router(4, [[3, 3], [3, 3]][rank]),  # [0, 0, 0, 4], mean 1
+    ]
+    step_balancing_biases(together)
+    return [(router.expert_bias.tolist(), router.load_since_update.tolist()) for router in (alone, *together)]
 
 
 @pytest.mark.slow
 def test_data_parallel_ranks_apply_the_same_bias_step_from_the_summed_loads():
-    for bias, load in run_distributed(apply_one_bias_step_on_this_rank, 2):
-        assert bias == pytest.approx([-0.01, 0.01, 0.0, 0.0]) and load == [0, 0, 0, 0]
+    """Alone or with every layer's counts in one all-reduce: each layer steps from its own loads summed over ranks."""
+    expected = [[-0.01, 0.01, 0.0, 0.0], [-0.01, 0.01, 0.0, 0.0], [0.01, -0.01, 0.01], [0.01, 0.01, 0.01, -0.01]]
+    for routers in run_distributed(apply_one_bias_step_on_this_rank, 2):
+        for (bias, load), want in zip(routers, expected, strict=True):
+            assert bias == pytest.approx(want) and load == [0] * len(want)
 
 
 def test_balancing_bias_keeps_fp32_when_the_module_is_cast_to_bf16() -> None:
