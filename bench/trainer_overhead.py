@@ -1,20 +1,24 @@
 """What our trainer costs over a bare PyTorch loop: `moe-train` against the loop a person would write, per mode.
 
     .venv/bin/python bench/trainer_overhead.py --rounds 5                  # single, ddp (2 ranks), zero2 (2 ranks)
+    .venv/bin/python bench/trainer_overhead.py --rounds 5 --modes zero1,zero2,zero3   # DeepSpeed's stages (2 ranks)
+    .venv/bin/python bench/trainer_overhead.py --ablate --modes zero2,ddp --rounds 3 --cycles 5   # what each costs
     .venv/bin/python bench/trainer_overhead.py --rounds 3 --modes ddp --steps 40
     .venv/bin/python bench/trainer_overhead.py --rounds 3 --modes fsdp,fsdp_ep --steps 40    # FSDP2 (2 ranks)
 
 Each round runs, per mode, both contenders back to back (their order alternates between rounds), launched as users
 launch them: `moe-train` directly (single) or through `torchrun --nproc_per_node=2` on 127.0.0.1 (distributed=ddp,
-distributed=zero2, gloo on CPU); the bare loop is this file started the same way with `--bare MODE`. Both train the
+distributed=zero1/2/3, gloo on CPU); the bare loop is this file started the same way with `--bare MODE`. Both train the
 same model (built from the same composed config with the same seeds), on the same micro-batches (the bare loop
 takes them from the same synthetic loader, read into memory before timing), with the same torch AdamW (the
 trainer's parameter groups and hyper-parameters, the same learning rate per step), the same gradient accumulation
 (global batch / (micro batch × ranks)), the same clipping and the same aux-loss-free bias update. The bare loops:
   single  forward → loss / accumulation → backward per micro-batch; clip_grad_norm_, step, zero_grad
   ddp     the model in torch's DistributedDataParallel, `no_sync()` on all but the last micro-batch
-  zero2   `deepspeed.initialize` with the DeepSpeed config the trainer builds (distributed.deepspeed_config), then
-          engine.backward / engine.step per micro-batch, no Accelerate
+  zero1, zero2, zero3
+          `deepspeed.initialize` with the DeepSpeed config the trainer builds (distributed.deepspeed_config), then
+          engine.backward / engine.step per micro-batch, no Accelerate; ZeRO-3 builds the model partitioned, through
+          the trainer's build_model as the trainer does
   fsdp    `fully_shard` on every block and the root (torch's defaults: fp32, reshard after forward but the root's),
           reduce-scatter after every micro-batch, torch's clip_grad_norm_ on the DTensor gradients
   fsdp_ep the same sharding with the experts split over both ranks: parallel/fsdp.py's `shard_model` (experts on
@@ -36,6 +40,12 @@ Printed: per mode, ms per step of each contender in its median window and the ra
 range over the rounds (each ratio from the two runs of one round), and the same ratio from each run's fastest
 window (other jobs on the machine only ever add time; measured here: one window of a loaded run at 10x the
 others). Goal: ratio ≤ 1.05.
+
+Ablation (`--ablate`, trainer_ablation.py): one `moe-train` run per mode and round switches each per-step addition
+of the trainer off in its own windows (liveness, preemption flag, NaN guard, grad norm, MoE statistics, bias update,
+data, fault points; every one, and none), dealt in a shuffled order per cycle, and also times what is spent inside
+each addition's calls; the bare loop runs ten windows beside it. Printed per variant: ms per step, its share of the
+step (1 − variant / everything on, from the same run) and its ratio to the bare loop, medians over rounds.
 
 Threads: by default all cores for one process, shared out among 2 ranks. On a machine others load, use
 `--threads 1`: a second OpenMP thread spins against the other jobs (measured here: steps of seconds instead of
@@ -68,12 +78,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script, this folder would come first and shadow nothing; be explicit
 BIN = Path(sys.executable).parent
-MODES = {"single": 1, "ddp": 2, "zero2": 2, "fsdp": 2, "fsdp_ep": 2}
+MODES = {"single": 1, "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "fsdp": 2, "fsdp_ep": 2}
+ZERO = ("zero1", "zero2", "zero3")  # DeepSpeed's engine steps inside the loop
 # The distributed.* overrides of each mode (fsdp_ep: FSDP2 with the experts split over both ranks).
 STRATEGY = {
     "single": ["distributed=single"],
     "ddp": ["distributed=ddp"],
+    "zero1": ["distributed=zero1"],
     "zero2": ["distributed=zero2"],
+    "zero3": ["distributed=zero3"],
     "fsdp": ["distributed=fsdp"],
     "fsdp_ep": ["distributed=fsdp", "distributed.expert_parallel_size=2"],
 }
@@ -111,6 +124,90 @@ def child_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // MODES[mode])
     env.update({"OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)})
     return env
+
+
+def ablation_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """trainer_ablation.py's ADDITIONS and VARIANTS, loaded by path (bench/ is not a package, and putting it on
+    sys.path would let its data_pipeline.py shadow the package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trainer_ablation", Path(__file__).with_name("trainer_ablation.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ADDITIONS, module.VARIANTS
+
+
+def run_ablation(args: argparse.Namespace, mode: str) -> list[dict]:
+    """`moe-train` through trainer_ablation.py, each per-step addition off in its share of the windows: per window,
+    its variant, seconds per step and the seconds per step spent inside each addition's calls that were on."""
+    with tempfile.TemporaryDirectory(prefix="bench_ablation_") as run_dir:
+        program = [sys.executable, str(Path(__file__).with_name("trainer_ablation.py"))]
+        program += [str(args.warmup), str(args.log_every), str(args.cycles), "--"]
+        program += [*run_overrides(args, mode), f"hydra.run.dir={run_dir}"]
+        env = {**child_env(args, mode), "MOE_ABLATION_OUT": f"{run_dir}/ablation.json"}
+        result = subprocess.run(launch(mode, program), capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"moe-train ablation ({mode}) failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+        return json.loads(Path(run_dir, "ablation.json").read_text())["windows"]
+
+
+def by_variant(windows: list[dict]) -> dict[str, list[float]]:
+    """Seconds per step of each variant's windows, and under `inside:NAME` the seconds per step spent inside each
+    addition's calls (and the log's) in the windows with everything on (a call's wait for a collective included)."""
+    ADDITIONS, VARIANTS = ablation_names()
+
+    seconds = {variant: [w["s_per_step"] for w in windows if w["variant"] == variant] for variant in VARIANTS}
+    on = [w["inside_s_per_step"] for w in windows if w["variant"] == "none"]
+    inside = {f"inside:{name}": [w.get(name, 0.0) for w in on] for name in (*ADDITIONS, "log")}
+    return {**seconds, **inside}
+
+
+def ablate(args: argparse.Namespace, modes: list[str]) -> None:
+    """Per mode and round: one trainer run with every variant's windows, and the bare loop over as many steps."""
+    ADDITIONS, VARIANTS = ablation_names()
+
+    ablation_steps = args.log_every * len(VARIANTS) * args.cycles
+    bare_steps = args.log_every * 10  # ten windows: its median is as steady, in a fraction of the time
+    inside = [f"inside:{name}" for name in (*ADDITIONS, "log")]
+    ms = {mode: {variant: [] for variant in (*VARIANTS, "bare", *inside)} for mode in modes}
+    for round_ in range(args.rounds):
+        for mode in modes:
+            contenders = [("trainer", run_ablation), ("bare", time_bare)]
+            for name, fn in contenders if round_ % 2 == 0 else contenders[::-1]:
+                if name == "bare":
+                    args.steps = bare_steps
+                    ms[mode]["bare"].append(1e3 * statistics.median(fn(args, mode)))
+                    continue
+                args.steps = ablation_steps
+                for key, seconds in by_variant(fn(args, mode)).items():
+                    ms[mode][key].append(1e3 * statistics.median(seconds))
+            r = ms[mode]
+            print(
+                f"round {round_ + 1}/{args.rounds} {mode}: ms/step everything on {r['none'][-1]:.1f}, everything off "
+                f"{r['all'][-1]:.1f}, bare {r['bare'][-1]:.1f}",
+                flush=True,
+            )
+    print(
+        f"\nablation: each variant's windows ({args.log_every} steps and one log) over {args.cycles} cycles of "
+        f"{len(VARIANTS)} windows, after {args.warmup} steps; per round the median window, then median [min–max] "
+        f"over {args.rounds} rounds. share = 1 − variant / everything on, from the same round's run; inside = the "
+        "time spent inside that addition's own calls per step (rank 0, windows with everything on)"
+    )
+    for mode, r in ms.items():
+        print(f"{mode} ({MODES[mode]} rank{'s' if MODES[mode] > 1 else ''})")
+        header = f"{'switched off':14s} {'ms/step':>22s} {'share of the step':>26s} {'/ bare loop':>22s}"
+        print(f"  {header} {'inside, ms/step':>24s}")
+        for variant in (*VARIANTS, "log", "bare"):
+            within = spread(r[f"inside:{variant}"], ".3f") if f"inside:{variant}" in r else ""
+            if variant == "log":  # not switched off: the window's log, timed inside only
+                print(f"  {'(the log)':14s} {'':>22s} {'':>26s} {'':>22s} {within:>24s}")
+                continue
+            share = [1 - v / on for v, on in zip(r[variant], r["none"], strict=True)]
+            ratio = [v / bare for v, bare in zip(r[variant], r["bare"], strict=True)]
+            label = {"none": "nothing", "all": "everything", "bare": "(bare loop)"}.get(variant, variant)
+            shares = spread([100 * x for x in share], "+.1f") + " %" if variant != "none" else ""
+            row = f"{label:14s} {spread(r[variant], '.1f'):>22s} {shares:>26s} {spread(ratio, '.3f'):>22s}"
+            print(f"  {row} {within:>24s}")
 
 
 def run_trainer(args: argparse.Namespace, mode: str) -> list[dict]:
@@ -172,7 +269,7 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     import torch.nn.functional as F
 
     from data_pipeline import build_loaders
-    from moe.moe_layer import update_balancing_biases
+    from moe.moe_layer import balancing_routers, step_balancing_biases
     from moe_platform.config import validate_launch, world_size_from_env
     from moe_platform.launch.compose import train_config
     from moe_platform.parallel.accelerator import deepspeed_config
@@ -186,6 +283,10 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         torch.distributed.init_process_group("gloo")
+    if mode in ZERO:  # DeepSpeed's own view of the group, which ZeRO-3's partitioned build asks for its world size
+        import deepspeed
+
+        deepspeed.init_distributed("gloo")
     loaders = build_loaders(
         config.data,
         rank=rank,
@@ -196,9 +297,11 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     total = args.warmup + args.steps
     batches = [(b["input_ids"], b["labels"], b.get("document_ids")) for b in islice(loaders.train, total * accum)]
 
-    # The trainer's model build (seeds, trainer.activation_checkpointing, trainer.compile) needs only the rank
-    # from an Accelerator outside ZeRO-3, which this bench does not run.
-    model = build_model(config, SimpleNamespace(process_index=rank))
+    # The trainer's model build (seeds, trainer.activation_checkpointing, trainer.compile, ZeRO-3's partitioned
+    # construction) reads only the rank and, under ZeRO-3, the DeepSpeed config from the Accelerator.
+    ds_config = deepspeed_config(config, accum, world) if mode in ZERO else None
+    plugin = SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config))
+    model = build_model(config, SimpleNamespace(process_index=rank, state=plugin))
     optim = config.optim
     engine = model
     if mode == "ddp":
@@ -216,12 +319,12 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
         fsdp.shard_model(model, meshes, fsdp.ShardingPolicy(reshard_after_forward=True, bf16=False, cpu_offload=False))
     # The trainer's parameter groups and AdamW kernel, on what this rank holds (FSDP: its shards).
     optimizer = optimizers.build_optimizer(optimizers.param_groups(model, optim), optim)
-    if mode == "zero2":
+    if mode in ZERO:
         import deepspeed
 
-        ds_config = deepspeed_config(config, accum, world)
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     max_norm = optim.grad_clip or float("inf")
+    bias_routers = balancing_routers(model)  # as the trainer finds them, once
 
     def loss_of(ids, labels, documents):
         # document_ids only where the loader gives them (data.document_mask), as the trainer passes them on.
@@ -236,32 +339,45 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
             group["lr"] = optim.lr_at(step, config.trainer.max_steps)
         for i in range(accum):
             batch = batches[step * accum + i]
-            if mode != "zero2":  # FSDP2 reduce-scatters after every backward, as the trainer's runs do
+            if mode not in ZERO:  # FSDP2 reduce-scatters after every backward, as the trainer's runs do
                 last = i == accum - 1
                 with contextlib.nullcontext() if last or mode != "ddp" else engine.no_sync():
                     (loss_of(*batch) / accum).backward()
             else:  # DeepSpeed scales by the accumulation, all-reduces, clips and steps at the boundary itself
                 engine.backward(loss_of(*batch))
                 engine.step()
-        if mode != "zero2":
+        if mode not in ZERO:
             if mode == "fsdp_ep":
                 fsdp.clip_grad_norm(model, max_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        update_balancing_biases(model)
+        step_balancing_biases(bias_routers)
         if step + 1 in bounds:
             stamps[step + 1] = time.perf_counter()
     losses = torch.stack(lm_losses).view(total, accum).mean(dim=1).double()
     if world > 1:  # the mean over ranks, as the trainer's records hold it
         torch.distributed.all_reduce(losses)
         losses /= world
-        torch.distributed.destroy_process_group()
     if rank == 0 and args.out:
         record = {"window_s_per_step": per_window(stamps, bounds), "loss_per_step": losses.tolist()}
         Path(args.out).write_text(json.dumps(record))
+    if world > 1:
+        # Leave before this frame's locals go: freeing DDP's Reducer destroys the gloo group, whose destructor joins
+        # a worker thread that waits for the GIL the destructor holds (seen here: a rank hung 17 min after its results
+        # were written). Every rank has its results; nothing else is left to do.
+        torch.distributed.barrier()
+        leave_without_teardown()
     return losses.tolist()
+
+
+def leave_without_teardown() -> None:
+    """As moe-train leaves (moe_platform/launch/cli.py): Python's teardown can abort or hang while gloo's threads
+    still run (measured here: "terminate called without an active exception" after the results were written)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the comparison -------------------------------------------------------------------------------------------------
@@ -286,6 +402,12 @@ def main() -> None:
         action="store_true",
         help="run the two contenders at the same time (a loaded machine: see the module docstring)",
     )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="switch each per-step addition of the trainer off in turn (trainer_ablation.py) and print its share",
+    )
+    parser.add_argument("--cycles", type=int, default=3, help="--ablate: windows per variant in each run")
     parser.add_argument("--bare", choices=list(MODES), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both contenders (after --)")
@@ -294,16 +416,15 @@ def main() -> None:
         parser.error("--warmup and --steps must be multiples of --log-every (the trainer stamps its log steps)")
     if args.bare:
         bare_loop(args)
-        # As moe-train leaves (moe_platform/launch/cli.py): Python's teardown can abort while gloo's threads still run
-        # (measured here: "terminate called without an active exception" after the results were written).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_without_teardown()
 
     modes = args.modes.split(",")
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}: choose from {list(MODES)}")
+    if args.ablate:
+        ablate(args, modes)
+        return
     # Per round and mode: each contender's ms/step in its median log window and in its fastest one (interference
     # from other jobs only ever adds time); ratios from the two runs of the same round.
     keys = ("trainer", "bare", "ratio", "trainer_fast", "bare_fast", "ratio_fast")

@@ -41,3 +41,33 @@ def test_the_bare_fsdp_loop_with_experts_split_computes_the_trainers_losses(load
     records = bench.run_trainer(args, "fsdp_ep")
     bare = bench.run_bare(args, "fsdp_ep")["loss_per_step"]
     assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
+
+
+def test_the_bare_zero3_loop_computes_the_trainers_losses(load_bench) -> None:
+    """2 ranks over torchrun: ZeRO-3's partitioned build and engine steps, as the trainer runs them (the zero1/zero2
+    rows take the same path with another stage)."""
+    bench = load_bench("trainer_overhead")
+    args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
+    records = bench.run_trainer(args, "zero3")
+    bare = bench.run_bare(args, "zero3")["loss_per_step"]
+    assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
+
+
+def test_the_ablation_switches_each_addition_off_in_its_own_windows_and_times_the_rest(load_bench) -> None:
+    """One process: every variant gets one window per cycle; a window with an addition off never enters it, and
+    with everything on each addition's calls (and the log) take measurable time."""
+    bench = load_bench("trainer_overhead")
+    ablation = load_bench("trainer_ablation")
+    args = argparse.Namespace(warmup=2, log_every=1, cycles=2, threads=1, overrides=TINY)
+    args.steps = args.log_every * len(ablation.VARIANTS) * args.cycles
+    windows = bench.run_ablation(args, "single")
+    assert [w["variant"] for w in windows] == ablation.schedule(args.cycles)
+    n = len(ablation.VARIANTS)
+    for cycle in (ablation.schedule(3)[i : i + n] for i in range(0, 3 * n, n)):
+        assert sorted(cycle) == sorted(ablation.VARIANTS)
+    for window in windows:
+        off = ablation.switched_off(window["variant"])
+        timed = set(window["inside_s_per_step"]) - {"log"}
+        assert timed == set(ablation.ADDITIONS) - off, window
+        assert window["s_per_step"] > 0 and window["inside_s_per_step"]["log"] > 0
+    assert set(bench.by_variant(windows)) >= {*ablation.VARIANTS, "inside:log"}
