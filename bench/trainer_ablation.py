@@ -14,6 +14,11 @@ What a step of the trainer does that the bare loop of trainer_overhead.py does n
                  the loop, as the bare loop reads all of its batches
     faults       the fault-injection points (train/faults.py: a lookup in an empty list when MOE_FAULTS is unset)
 
+Timed but never switched off (a log needs them): `window`, the step's losses, grad norm and counts added to the
+log window (LogWindow.add; its merge of the MoE counts is timed under moe_stats too), and `log`, the window's log
+(reductions, record, sinks; the progress bar is off in the bench). The peak-memory probe measures one step, inside
+the warm-up; on every other step it is an empty context manager.
+
 How: the trainer runs unchanged but for thin wrappers around those calls, each of which does nothing while its name
 is in the current OFF set. After `warmup` steps, the log windows (`trainer.log_every` steps each) are dealt to the
 variants: `none` (everything on), each name above alone, and `all`, in a fresh seeded order each cycle, the same on
@@ -85,6 +90,17 @@ def install(warmup: int, log_every: int, cycles: int, out: str | None) -> None:
 
         return call
 
+    def timed(name: str, original):  # never switched off: the bookkeeping a log needs
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[name] = inside.get(name, 0.0) + time.perf_counter() - start
+
+        return call
+
+    trainer_module.LogWindow.add = timed("window", trainer_module.LogWindow.add)
     Liveness.step_done = unless_off("liveness", Liveness.step_done, lambda self, step: None)
     PreemptionWatch.requested = unless_off("preemption", PreemptionWatch.requested, lambda self: False)
     trainer_module.poison_nonfinite = unless_off("nan_guard", trainer_module.poison_nonfinite, lambda loss: loss)

@@ -153,12 +153,13 @@ def run_ablation(args: argparse.Namespace, mode: str) -> list[dict]:
 
 def by_variant(windows: list[dict]) -> dict[str, list[float]]:
     """Seconds per step of each variant's windows, and under `inside:NAME` the seconds per step spent inside each
-    addition's calls (and the log's) in the windows with everything on (a call's wait for a collective included)."""
+    addition's calls, the log window's and the log's, in the windows with everything on (a call's wait for a
+    collective included)."""
     ADDITIONS, VARIANTS = ablation_names()
 
     seconds = {variant: [w["s_per_step"] for w in windows if w["variant"] == variant] for variant in VARIANTS}
     on = [w["inside_s_per_step"] for w in windows if w["variant"] == "none"]
-    inside = {f"inside:{name}": [w.get(name, 0.0) for w in on] for name in (*ADDITIONS, "log")}
+    inside = {f"inside:{name}": [w.get(name, 0.0) for w in on] for name in (*ADDITIONS, "window", "log")}
     return {**seconds, **inside}
 
 
@@ -168,7 +169,7 @@ def ablate(args: argparse.Namespace, modes: list[str]) -> None:
 
     ablation_steps = args.log_every * len(VARIANTS) * args.cycles
     bare_steps = args.log_every * 10  # ten windows: its median is as steady, in a fraction of the time
-    inside = [f"inside:{name}" for name in (*ADDITIONS, "log")]
+    inside = [f"inside:{name}" for name in (*ADDITIONS, "window", "log")]
     ms = {mode: {variant: [] for variant in (*VARIANTS, "bare", *inside)} for mode in modes}
     for round_ in range(args.rounds):
         for mode in modes:
@@ -197,10 +198,10 @@ def ablate(args: argparse.Namespace, modes: list[str]) -> None:
         print(f"{mode} ({MODES[mode]} rank{'s' if MODES[mode] > 1 else ''})")
         header = f"{'switched off':14s} {'ms/step':>22s} {'share of the step':>26s} {'/ bare loop':>22s}"
         print(f"  {header} {'inside, ms/step':>24s}")
-        for variant in (*VARIANTS, "log", "bare"):
+        for variant in (*VARIANTS, "window", "log", "bare"):
             within = spread(r[f"inside:{variant}"], ".3f") if f"inside:{variant}" in r else ""
-            if variant == "log":  # not switched off: the window's log, timed inside only
-                print(f"  {'(the log)':14s} {'':>22s} {'':>26s} {'':>22s} {within:>24s}")
+            if variant in ("window", "log"):  # never switched off: timed inside only
+                print(f"  {f'(the {variant})':14s} {'':>22s} {'':>26s} {'':>22s} {within:>24s}")
                 continue
             share = [1 - v / on for v, on in zip(r[variant], r["none"], strict=True)]
             ratio = [v / bare for v, bare in zip(r[variant], r["bare"], strict=True)]

@@ -67,7 +67,8 @@ def test_the_ablation_switches_each_addition_off_in_its_own_windows_and_times_th
         assert sorted(cycle) == sorted(ablation.VARIANTS)
     for window in windows:
         off = ablation.switched_off(window["variant"])
-        timed = set(window["inside_s_per_step"]) - {"log"}
+        timed = set(window["inside_s_per_step"]) - {"window", "log"}
         assert timed == set(ablation.ADDITIONS) - off, window
         assert window["s_per_step"] > 0 and window["inside_s_per_step"]["log"] > 0
+        assert window["inside_s_per_step"]["window"] > 0
     assert set(bench.by_variant(windows)) >= {*ablation.VARIANTS, "inside:log"}
