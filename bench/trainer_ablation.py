@@ -30,6 +30,7 @@ meets whatever else loads the machine in every variant alike.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -78,29 +79,30 @@ def install(warmup: int, log_every: int, cycles: int, out: str | None) -> None:
     prefetched: deque = deque()
     to_prefetch = [0]  # batches the data-off windows take: set by `fit`, read as the loop's batches are made
 
+    @contextlib.contextmanager
+    def timing(name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            inside[name] = inside.get(name, 0.0) + time.perf_counter() - start
+
+    def timed(name: str, original):
+        def call(*args, **kwargs):
+            with timing(name):
+                return original(*args, **kwargs)
+
+        return call
+
     def unless_off(name: str, original, replacement):
+        on = timed(name, original)
+
         def call(*args, **kwargs):
-            if name in OFF:
-                return replacement(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside[name] = inside.get(name, 0.0) + time.perf_counter() - start
+            return replacement(*args, **kwargs) if name in OFF else on(*args, **kwargs)
 
         return call
 
-    def timed(name: str, original):  # never switched off: the bookkeeping a log needs
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside[name] = inside.get(name, 0.0) + time.perf_counter() - start
-
-        return call
-
-    trainer_module.LogWindow.add = timed("window", trainer_module.LogWindow.add)
+    trainer_module.LogWindow.add = timed("window", trainer_module.LogWindow.add)  # never off: a log needs it
     Liveness.step_done = unless_off("liveness", Liveness.step_done, lambda self, step: None)
     PreemptionWatch.requested = unless_off("preemption", PreemptionWatch.requested, lambda self: False)
     trainer_module.poison_nonfinite = unless_off("nan_guard", trainer_module.poison_nonfinite, lambda loss: loss)
@@ -124,11 +126,8 @@ def install(warmup: int, log_every: int, cycles: int, out: str | None) -> None:
         def __next__(self) -> dict:
             if "data" in OFF:
                 return prefetched.popleft()
-            start = time.perf_counter()
-            try:
+            with timing("data"):
                 return super().__next__()
-            finally:
-                inside["data"] = inside.get("data", 0.0) + time.perf_counter() - start
 
     trainer_module.TimedBatches = Batches
     original_fit, original_log = Trainer.fit, Trainer._log
@@ -151,9 +150,8 @@ def install(warmup: int, log_every: int, cycles: int, out: str | None) -> None:
         return result
 
     def log(self, window):
-        start = time.perf_counter()
-        record = original_log(self, window)
-        inside["log"] = inside.get("log", 0.0) + time.perf_counter() - start
+        with timing("log"):
+            record = original_log(self, window)
         step = self.state.step
         if step >= warmup:  # the end of this log opens the next window: switch to its variant
             stamps[step] = time.perf_counter()

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -126,6 +127,7 @@ def child_env(args: argparse.Namespace, mode: str) -> dict[str, str]:
     return env
 
 
+@functools.cache
 def ablation_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """trainer_ablation.py's ADDITIONS and VARIANTS, loaded by path (bench/ is not a package, and putting it on
     sys.path would let its data_pipeline.py shadow the package)."""
@@ -272,6 +274,7 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     from data_pipeline import build_loaders
     from moe.moe_layer import balancing_routers, step_balancing_biases
     from moe_platform.config import validate_launch, world_size_from_env
+    from moe_platform.launch.cli import leave_without_interpreter_teardown
     from moe_platform.launch.compose import train_config
     from moe_platform.parallel.accelerator import deepspeed_config
     from moe_platform.train import optimizers
@@ -369,16 +372,8 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
         # a worker thread that waits for the GIL the destructor holds (seen here: a rank hung 17 min after its results
         # were written). Every rank has its results; nothing else is left to do.
         torch.distributed.barrier()
-        leave_without_teardown()
+        leave_without_interpreter_teardown()
     return losses.tolist()
-
-
-def leave_without_teardown() -> None:
-    """As moe-train leaves (moe_platform/launch/cli.py): Python's teardown can abort or hang while gloo's threads
-    still run (measured here: "terminate called without an active exception" after the results were written)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # ---- the comparison -------------------------------------------------------------------------------------------------
@@ -416,8 +411,10 @@ def main() -> None:
     if args.warmup % args.log_every or args.steps % args.log_every:
         parser.error("--warmup and --steps must be multiples of --log-every (the trainer stamps its log steps)")
     if args.bare:
+        from moe_platform.launch.cli import leave_without_interpreter_teardown
+
         bare_loop(args)
-        leave_without_teardown()
+        leave_without_interpreter_teardown()  # as moe-train leaves: Python's teardown can abort under gloo's threads
 
     modes = args.modes.split(",")
     unknown = set(modes) - set(MODES)

@@ -13,7 +13,7 @@ Gradient accumulation and data parallelism (how the numbers stay right per optim
     step's whole batch, which would need counts from micro-batches not yet run. Padding never counts.)
   * `stats` holds raw sums (counts, entropy sum, loss sums, number of micro-batches); `moe/stats.py` says how they
     are added over micro-batches and ranks before any ratio is taken.
-  * The aux-loss-free bias is updated by `update_balancing_bias()`, which the trainer calls once per optimizer
+  * The aux-loss-free bias is updated by `step_balancing_biases()`, which the trainer calls once per optimizer
     step; it uses the counts of every training forward since the previous call (summed over ranks).
   * Eval forwards (module.eval()) return their own stats but never touch the bias or its counts; they use
     `eval_capacity_factor` and no jitter.
@@ -151,10 +151,6 @@ class MoELayer(nn.Module):
             drop_policy=cfg.drop_policy,
         )
         return route, plan, capacity
-
-    def update_balancing_bias(self, group: dist.ProcessGroup | None = None) -> None:
-        """One aux-loss-free bias step from the loads since the last call; call once per optimizer step."""
-        self.router.update_balancing_bias(group)
 
 
 def balancing_routers(model: nn.Module) -> list[TopKRouter]:

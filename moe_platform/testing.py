@@ -397,7 +397,7 @@ def _distributed_worker(source: tuple[str, str], rank: int, world_size: int, por
             dist.destroy_process_group()
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
-    # Like moe-train (cli._leave_without_interpreter_teardown): a gloo thread that takes the GIL while Python
+    # Like moe-train (cli.leave_without_interpreter_teardown): a gloo thread that takes the GIL while Python
     # finalizes aborts the process, so leave once the result has been handed to the queue's pipe.
     results.close()
     results.join_thread()

@@ -157,7 +157,7 @@ def main() -> None:
     no_live_progress_bars_off_a_terminal()
     _compose_or_exit(sys.argv[1:])
     _hydra_main()
-    _leave_without_interpreter_teardown()
+    leave_without_interpreter_teardown()
 
 
 # What the run directory held before Hydra made it; noted by _compose_or_exit, read if the start is refused.
@@ -200,7 +200,7 @@ def _undo_refused_start() -> None:
         _run_dir_before.undo(hydra_config.runtime.output_dir, ours)
 
 
-def _leave_without_interpreter_teardown() -> None:
+def leave_without_interpreter_teardown() -> None:
     """A finished run exits here, skipping Python's finalization, which can abort it.
 
     Gloo's worker threads release a finished collective's tensors a moment after the caller has been released, and

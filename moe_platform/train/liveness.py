@@ -16,7 +16,7 @@ seconds for the other survivors' reports, and names the ranks that sent none, in
 
 then leaves with EXIT_CODE through os._exit, so that the exit depends neither on tearing down a group whose peer
 is gone (gloo's returned at once when measured; NCCL's may block) nor on Python's teardown, which can abort while
-gloo threads run (cli._leave_without_interpreter_teardown).
+gloo threads run (cli.leave_without_interpreter_teardown).
 
 The store is torchrun's agent's on the first node (workers get TORCHELASTIC_USE_AGENT_STORE=True; measured), which
 outlives its workers; without torchrun it is rank 0's. A store that does not answer is reported as such: its host is

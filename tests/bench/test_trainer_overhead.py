@@ -34,22 +34,19 @@ def test_the_bare_loop_computes_the_trainers_losses_step_for_step(load_bench, mo
     assert all(seconds > 0 for seconds in bench.seconds_per_step(records, [2, 4, 6]))
 
 
-def test_the_bare_fsdp_loop_with_experts_split_computes_the_trainers_losses(load_bench) -> None:
-    """2 ranks over torchrun, as the bench launches both: FSDP2 with EP=2 (the fsdp_ep row)."""
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "fsdp_ep",  # FSDP2 with the experts split over both ranks (EP=2)
+        "zero3",  # ZeRO-3's partitioned build and engine steps; the zero1/zero2 rows take its path with another stage
+    ],
+)
+def test_the_bare_loops_over_torchrun_compute_the_trainers_losses(load_bench, mode: str) -> None:
+    """2 ranks over torchrun, as the bench launches both."""
     bench = load_bench("trainer_overhead")
     args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
-    records = bench.run_trainer(args, "fsdp_ep")
-    bare = bench.run_bare(args, "fsdp_ep")["loss_per_step"]
-    assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
-
-
-def test_the_bare_zero3_loop_computes_the_trainers_losses(load_bench) -> None:
-    """2 ranks over torchrun: ZeRO-3's partitioned build and engine steps, as the trainer runs them (the zero1/zero2
-    rows take the same path with another stage)."""
-    bench = load_bench("trainer_overhead")
-    args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
-    records = bench.run_trainer(args, "zero3")
-    bare = bench.run_bare(args, "zero3")["loss_per_step"]
+    records = bench.run_trainer(args, mode)
+    bare = bench.run_bare(args, mode)["loss_per_step"]
     assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
 
 
