@@ -13,6 +13,9 @@ the same question of our platform, at CPU size, through the real `moe-train`:
     moe-4x2-muon     moe-4x2 trained with `optim=muon` (conf/optim/muon.yaml: its lr and schedule)
     dense-active-muon, dense-total-muon
                      the dense rows under `optim=muon`: the MoE-vs-dense question asked again with Muon for every row
+    moe-8x2, dense-total-8x2
+                     8 routed experts of width F, top-2 (the active width of moe-4x2, twice its total) and the dense
+                     FFN of width 8·F; only when --rows names them (a pilot: bench/README.md says what it showed)
     balanced-8x2     8 routed experts of width F, top-2, aux 0.01: the collapse row's control (one seed, short)
     collapse         balanced-8x2 with model.moe.aux_loss_coef=0 and no balancing bias (one seed, short): the routing
                      alert (moe_platform/monitor/alerts.py) must fire within the run, and moe-report's HTML show it.
@@ -129,6 +132,8 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
         "moe-4x2-muon": [*moe_4x2, "optim=muon"],  # Muon's own lr from its yaml; the same warmup and steps
         "dense-active-muon": ["model=dense_tiny", f"model.d_ff={2 * F}", "optim=muon"],
         "dense-total-muon": ["model=dense_tiny", f"model.d_ff={4 * F}", "optim=muon"],
+        "moe-8x2": moe_8x2,
+        "dense-total-8x2": ["model=dense_tiny", f"model.d_ff={8 * F}"],
         "balanced-8x2": moe_8x2,
         "collapse": [*moe_8x2, "model.moe.aux_loss_coef=0", "model.moe.router.bias_update_rate=0"],
     }
@@ -136,6 +141,7 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
 
 
 COLLAPSE_ROWS = ("balanced-8x2", "collapse")  # one seed, collapse_steps, an HTML report each
+OPT_IN_ROWS = ("moe-8x2", "dense-total-8x2")  # run only when --rows names them
 # (row, reference): the gaps printed, row − reference.
 GAPS = (
     ("moe-4x2", "dense-active"),
@@ -147,6 +153,9 @@ GAPS = (
     ("moe-4x2-muon", "dense-active-muon"),
     ("moe-4x2-muon", "dense-total-muon"),
     ("dense-active-muon", "dense-active"),
+    ("moe-8x2", "dense-active"),
+    ("moe-8x2", "dense-total-8x2"),
+    ("moe-8x2", "moe-4x2"),
 )
 
 
@@ -435,7 +444,11 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the bench, print its tables, and return what --json writes."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps, 1 seed, 2 rows + collapse")
-    parser.add_argument("--rows", help="comma-separated rows (default: all; --quick: dense-active,moe-4x2,collapse)")
+    parser.add_argument(
+        "--rows",
+        help="comma-separated rows (default: all but the opt-in moe-8x2 and dense-total-8x2; "
+        "--quick: dense-active,moe-4x2,collapse)",
+    )
     parser.add_argument("--seeds", help="comma-separated seeds (default: 0,1,2; --quick: 0)")
     parser.add_argument("--steps", type=int, help="override the size's training steps")
     parser.add_argument(
@@ -464,7 +477,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.steps:
         size = replace(size, steps=args.steps, eval_every=min(size.eval_every, args.steps))
     size = replace(size, **dict(size_field(item) for item in args.set))
-    default_rows = "dense-active,moe-4x2,collapse" if args.quick else ",".join(row_overrides(size))
+    all_rows = [row for row in row_overrides(size) if row not in OPT_IN_ROWS]
+    default_rows = "dense-active,moe-4x2,collapse" if args.quick else ",".join(all_rows)
     rows = (args.rows or default_rows).split(",")
     unknown = [row for row in rows if row not in row_overrides(size)]
     if unknown:

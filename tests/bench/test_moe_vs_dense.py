@@ -27,7 +27,8 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
     assert counts["dense-total"].total == counts["moe-4x2"].total - routers["moe-4x2"]
     assert counts["moe-fine-shared"].active - routers["moe-fine-shared"] == counts["dense-active"].total
     assert counts["moe-fine-shared"].total - routers["moe-fine-shared"] == counts["dense-total"].total
-    assert counts["collapse"] == counts["balanced-8x2"]  # only the balancing differs
+    assert counts["collapse"] == counts["balanced-8x2"] == counts["moe-8x2"]  # only the balancing differs
+    assert counts["dense-total-8x2"].total == counts["moe-8x2"].total - size.n_layers * size.d_model * 8
     assert counts["collapse"].active == counts["moe-4x2"].active + size.n_layers * size.d_model * 4
     for row in ("moe-4x2", "dense-active", "dense-total"):  # the Muon rows change the optimizer, not the model
         assert counts[f"{row}-muon"] == counts[row]
