@@ -22,13 +22,16 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
         row: count_parameters(train_config([*overrides, *shape(size)]).model)
         for row, overrides in bench.row_overrides(size).items()
     }
-    routers = {row: size.n_layers * size.d_model * e for row, e in (("moe-4x2", 4), ("moe-fine-shared", 7))}
+    routers = {
+        row: size.n_layers * size.d_model * e for row, e in (("moe-4x2", 4), ("moe-fine-shared", 7), ("moe-8x2", 8))
+    }
     assert counts["dense-active"].total == counts["moe-4x2"].active - routers["moe-4x2"]
     assert counts["dense-total"].total == counts["moe-4x2"].total - routers["moe-4x2"]
     assert counts["moe-fine-shared"].active - routers["moe-fine-shared"] == counts["dense-active"].total
     assert counts["moe-fine-shared"].total - routers["moe-fine-shared"] == counts["dense-total"].total
-    assert counts["collapse"] == counts["balanced-8x2"] == counts["moe-8x2"]  # only the balancing differs
-    assert counts["dense-total-8x2"].total == counts["moe-8x2"].total - size.n_layers * size.d_model * 8
+    assert counts["collapse"] == counts["balanced-8x2"]  # only the balancing differs
+    assert counts["moe-8x2"] == counts["balanced-8x2"]  # the same model, trained for the full run
+    assert counts["dense-total-8x2"].total == counts["moe-8x2"].total - routers["moe-8x2"]
     assert counts["collapse"].active == counts["moe-4x2"].active + size.n_layers * size.d_model * 4
     for row in ("moe-4x2", "dense-active", "dense-total"):  # the Muon rows change the optimizer, not the model
         assert counts[f"{row}-muon"] == counts[row]
