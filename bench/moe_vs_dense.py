@@ -34,6 +34,8 @@ prepare data=hf_local` runs), and `moe-train data=tokenized` holds out `data.val
 of their bytes (data_pipeline/holdout.py): whole files, never seen in training, the same for every run.
 `--set bpe_vocab=N` tokenizes with a byte-level BPE of N tokens instead, trained on the training files alone (a pilot:
 bench/README.md says what it showed).
+`--text prose` trains on each file's docstrings and comments alone (`prose_of`: English, where the same question
+about code asks mostly about copying identifiers); files with neither are left out.
 
 Every run has the same tokens, schedule and seed set: seed s sets both trainer.seed (init) and data.seed (sample
 order), so row A and row B of seed s see the same batches in the same order; AdamW with warmup then cosine decay.
@@ -57,7 +59,9 @@ second process than from a second thread).
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
+import io
 import json
 import math
 import shutil
@@ -65,6 +69,7 @@ import statistics
 import sys
 import sysconfig
 import time
+import tokenize
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -173,11 +178,44 @@ class Corpus:
     sha256: str
     shards: str
     bpe_vocab: int = 0  # 0: byte-level
+    text: str = "code"  # "code": each file's source; "prose": its docstrings and comments only (`prose_of`)
 
 
-def build_corpus(out: Path, max_files: int | None, val_fraction: float, bpe_vocab: int = 0) -> Corpus:
-    """The stdlib's *.py files as one jsonl (sorted paths, one document each), tokenized into shards in out/shards:
-    byte-level, or with a BPE of `bpe_vocab` tokens trained on the files not held out (`train_bpe`)."""
+def prose_of(source: str) -> str:
+    """The English in a Python file: its docstrings (cleaned of indentation) and comments (without the `#`), in source
+    order, consecutive comment lines kept as one paragraph; comment lines with no letter (rulers, `#!`) left out.
+    Empty when the file has neither, or does not parse (a test fixture of broken syntax)."""
+    try:
+        tree = ast.parse(source)
+        comments = [t for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    except (SyntaxError, ValueError, tokenize.TokenError):
+        return ""
+    pieces: list[tuple[int, str]] = []  # (first line, text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=True)
+            if docstring:
+                pieces.append((node.body[0].lineno, docstring))
+    paragraphs: list[list[tuple[int, str]]] = []  # runs of comment lines on consecutive source lines
+    for token in comments:
+        line_no, line = token.start[0], token.string.lstrip("#").strip()
+        if not any(c.isalpha() for c in line) or line.startswith("!"):
+            continue
+        if paragraphs and paragraphs[-1][-1][0] == line_no - 1:
+            paragraphs[-1].append((line_no, line))
+        else:
+            paragraphs.append([(line_no, line)])
+    pieces += [(lines[0][0], "\n".join(text for _, text in lines)) for lines in paragraphs]
+    return "\n\n".join(text for _, text in sorted(pieces, key=lambda piece: piece[0]))
+
+
+def build_corpus(
+    out: Path, max_files: int | None, val_fraction: float, bpe_vocab: int = 0, text: str = "code"
+) -> Corpus:
+    """The stdlib's *.py files as one jsonl (sorted paths, one document each: the source, or with text="prose" its
+    docstrings and comments), tokenized into shards in out/shards: byte-level, or with a BPE of `bpe_vocab` tokens
+    trained on the documents not held out (`train_bpe`). Held out by the hash of each document's bytes, as
+    moe-train carves them."""
     from data_pipeline import HFSourceConfig, TokenizerConfig, prepare
     from data_pipeline.holdout import holdout_mask_from_bytes
 
@@ -192,18 +230,23 @@ def build_corpus(out: Path, max_files: int | None, val_fraction: float, bpe_voca
         for path in paths:
             raw = path.read_bytes()
             try:
-                text = raw.decode("utf-8")
+                document = raw.decode("utf-8")
             except UnicodeDecodeError:
                 skipped += 1
                 continue
+            if text == "prose":
+                document = prose_of(document)
+                if not document:
+                    continue  # no docstring or comment: nothing to train on
+            raw = document.encode("utf-8")  # the file's own bytes for "code"
             relative = path.relative_to(stdlib).as_posix()
             digest.update(relative.encode() + b"\0" + raw + b"\0")
             files, total = files + 1, total + len(raw)
-            if holdout_mask_from_bytes([raw], val_fraction)[0]:  # the text's UTF-8 bytes are the file's bytes
+            if holdout_mask_from_bytes([raw], val_fraction)[0]:
                 held_out_files, held_out_bytes = held_out_files + 1, held_out_bytes + len(raw)
             else:
-                training_texts.append(text)
-            sink.write(json.dumps({"text": text, "path": relative}) + "\n")
+                training_texts.append(document)
+            sink.write(json.dumps({"text": document, "path": relative}) + "\n")
     tokenizer = TokenizerConfig()  # byte-level
     if bpe_vocab:
         bpe_file = train_bpe(training_texts, bpe_vocab, out / "tokenizer.json")
@@ -218,7 +261,9 @@ def build_corpus(out: Path, max_files: int | None, val_fraction: float, bpe_voca
     )
     python = f"{sys.implementation.name} {sys.version.split()[0]}"
     held_out = (held_out_files, held_out_bytes)
-    return Corpus(str(stdlib), python, files, skipped, total, *held_out, digest.hexdigest(), str(shards), bpe_vocab)
+    return Corpus(
+        str(stdlib), python, files, skipped, total, *held_out, digest.hexdigest(), str(shards), bpe_vocab, text
+    )
 
 
 EOS = "<|endoftext|>"
@@ -373,7 +418,7 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
     by_row = {row: [r for r in results if r.row == row] for row in rows}
     tokens = size.steps * size.global_batch * size.seq_len
     print(
-        f"\ncorpus: {corpus.python} stdlib ({corpus.source}): {corpus.files:,} files "
+        f"\ncorpus: {corpus.python} stdlib ({corpus.source}), {corpus.text}: {corpus.files:,} files "
         f"({corpus.skipped_not_utf8} not UTF-8 left out), {corpus.bytes:,} bytes, sha256 {corpus.sha256[:16]}; "
         f"{f'BPE of {corpus.bpe_vocab} tokens' if corpus.bpe_vocab else 'byte-level'}; held out by hash "
         f"(data.val.fraction={size.val_fraction:g}): {corpus.held_out_files} files, "
@@ -465,6 +510,12 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="OVERRIDE",
         help="a moe-train override added to every row's (a pilot's variant); repeatable",
     )
+    parser.add_argument(
+        "--text",
+        choices=("code", "prose"),
+        default="code",
+        help="what of each stdlib file to train on: its source (default) or its docstrings and comments",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "moe_vs_dense")
@@ -488,7 +539,8 @@ def main(argv: list[str] | None = None) -> dict:
     # one corpus directory per file limit: --quick's 60 files and the full stdlib do not overwrite each other
     corpus_dir = args.out / ("corpus" if size.max_files is None else f"corpus_{size.max_files}_files")
     corpus_dir = corpus_dir.with_name(corpus_dir.name + (f"_bpe{size.bpe_vocab}" if size.bpe_vocab else ""))
-    corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction, size.bpe_vocab)
+    corpus_dir = corpus_dir.with_name(corpus_dir.name + ("_prose" if args.text == "prose" else ""))
+    corpus = build_corpus(corpus_dir, size.max_files, size.val_fraction, size.bpe_vocab, args.text)
     print(f"corpus built in {time.monotonic() - start:.1f} s: {corpus.files:,} files, {corpus.bytes:,} bytes")
     ran = [r for r in rows if r not in skipped]
     results = run_all(size, ran, args.out, corpus, args.jobs, args.threads, tuple(args.extra))

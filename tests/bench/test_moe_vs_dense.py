@@ -98,3 +98,25 @@ def test_the_bpe_learns_from_the_training_texts_alone_and_round_trips_text(load_
     for text in (texts[7], unseen):
         assert bpe.decode(bpe.encode(text).ids) == text
     assert len(bpe.encode(texts[7]).ids) < len(texts[7].encode())  # merges learned: fewer tokens than bytes
+
+
+def test_prose_keeps_every_docstring_and_comment_and_no_code(load_bench) -> None:
+    """--text prose trains on a file's English alone: each docstring and comment paragraph, in source order."""
+    bench = load_bench("moe_vs_dense")
+    source = '''#!/usr/bin/env python
+"""Module summary.
+
+More about the module."""
+import os  # why os
+# ----------------------------------------
+def f(x):
+    """Return x, doubled."""
+    # first line of a note
+    # second line of the note
+    return x * 2
+'''
+    prose = bench.prose_of(source)
+    paragraphs = ["Module summary.\n\nMore about the module.", "why os", "Return x, doubled."]
+    assert prose == "\n\n".join([*paragraphs, "first line of a note\nsecond line of the note"])
+    assert "import" not in prose and "return" not in prose and "----" not in prose
+    assert bench.prose_of("def broken(:\n    '''never parsed'''\n") == ""
