@@ -238,7 +238,7 @@ def build_corpus(
                 document = prose_of(document)
                 if not document:
                     continue  # no docstring or comment: nothing to train on
-            raw = document.encode("utf-8")  # the file's own bytes for "code"
+                raw = document.encode("utf-8")  # for "code" the document's UTF-8 bytes are the file's bytes
             relative = path.relative_to(stdlib).as_posix()
             digest.update(relative.encode() + b"\0" + raw + b"\0")
             files, total = files + 1, total + len(raw)
