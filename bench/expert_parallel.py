@@ -118,8 +118,11 @@ def build_deepspeed(ours: MoELayer, d_model: int, d_ff: int, capacity_factor: fl
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import logger
 
+    from moe_platform.parallel.accelerator import no_shared_memory_inference_op
+
     logger.setLevel(logging.WARNING)
-    with redirect_stdout(io.StringIO()):  # "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"
+    no_shared_memory_inference_op()  # as the trainer does: no ~45 s compile of an op training never calls
+    with redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # adopts our gloo process group
     cfg = ours.config
     layer = MoE(

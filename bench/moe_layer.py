@@ -103,7 +103,10 @@ def build_deepspeed(ours: MoELayer, d_model: int, d_ff: int, num_experts: int, t
     import deepspeed
     from deepspeed.moe.layer import MoE
 
+    from moe_platform.parallel.accelerator import no_shared_memory_inference_op
+
     if not torch.distributed.is_initialized():
+        no_shared_memory_inference_op()  # as the trainer does: no ~45 s compile of an op training never calls
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     moe = MoE(
         hidden_size=d_model,

@@ -290,6 +290,9 @@ def bare_loop(args: argparse.Namespace) -> list[float]:
     if mode in ZERO:  # DeepSpeed's own view of the group, which ZeRO-3's partitioned build asks for its world size
         import deepspeed
 
+        from moe_platform.parallel.accelerator import no_shared_memory_inference_op
+
+        no_shared_memory_inference_op()  # as the trainer does: no ~45 s compile of an op training never calls
         deepspeed.init_distributed("gloo")
     loaders = build_loaders(
         config.data,

@@ -6,7 +6,7 @@ Facts this module encodes (measured on CPU with torch 2.13, deepspeed 0.19.8, ac
   * Plain DDP on CPU needs cpu=True, otherwise Accelerate leaves the processes unaware of each other
     (DistributedType.NO with two processes that each train alone).
   * torch's AdamW is the client optimizer: DeepSpeed's fused/CPU Adam ops JIT-compile for over a minute; so would
-    its CPU backend's shared-memory all-reduce, which only inference uses (`_no_shared_memory_inference_op`).
+    its CPU backend's shared-memory all-reduce, which only inference uses (`no_shared_memory_inference_op`).
 """
 
 import logging
@@ -91,7 +91,7 @@ def build_accelerator(
     if sharded:
         describe_lone_process_group()
     if dist.strategy == "deepspeed" and not gpu:
-        _no_shared_memory_inference_op()
+        no_shared_memory_inference_op()
     # A lone process has no group to set up; passing group kwargs then makes Accelerate look for one.
     grouped = world_size > 1 or sharded
     timeout = timedelta(seconds=dist.timeout_s)
@@ -135,7 +135,7 @@ def build_accelerator(
     return accelerator
 
 
-def _no_shared_memory_inference_op() -> None:
+def no_shared_memory_inference_op() -> None:
     """DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm) when its communication
     starts, ~45 s of C++ on a 2-core machine in every new environment (the build is keyed by the environment's
     include paths), for `inference_all_reduce` alone, which training never calls: marked incompatible, the backend

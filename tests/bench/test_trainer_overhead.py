@@ -1,6 +1,7 @@
 """bench/trainer_overhead.py compares like with like: its bare loop trains exactly what `moe-train` trains."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,13 +42,19 @@ def test_the_bare_loop_computes_the_trainers_losses_step_for_step(load_bench, mo
         "zero3",  # ZeRO-3's partitioned build and engine steps; the zero1/zero2 rows take its path with another stage
     ],
 )
-def test_the_bare_loops_over_torchrun_compute_the_trainers_losses(load_bench, mode: str) -> None:
-    """2 ranks over torchrun, as the bench launches both."""
+def test_the_bare_loops_over_torchrun_compute_the_trainers_losses(
+    load_bench, mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 ranks over torchrun, as the bench launches both. Neither JIT-compiles a DeepSpeed op: its CPU backend's
+    shared-memory all-reduce (~45 s of C++ on 2 cores, in every new environment) serves inference alone."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
     bench = load_bench("trainer_overhead")
     args = argparse.Namespace(warmup=2, steps=4, log_every=1, threads=1, overrides=TINY)
     records = bench.run_trainer(args, mode)
     bare = bench.run_bare(args, mode)["loss_per_step"]
     assert bare == pytest.approx([r["loss"] for r in records], rel=1e-5)
+    built = sorted(p.name for p in (tmp_path / "torch_extensions").rglob("*.so"))
+    assert built == [], f"the runs compiled {built}"
 
 
 def test_the_ablation_switches_each_addition_off_in_its_own_windows_and_times_the_rest(load_bench) -> None:
