@@ -12,6 +12,15 @@ import pytest
 import torch
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, each worker's torch gets its share of the cores: `make test`'s two workers on 2 cores would
+    otherwise run two intra-op threads each, four spinning threads on two cores (tests/moe took 81 s so, 61 s with
+    one thread a worker). The runs the tests start as processes already get one (testing.subprocess_env)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(0)
