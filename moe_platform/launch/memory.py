@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from moe.config import configs_frozen
 from moe.ledger import FP32_BYTES, fsdp_unit_params
 from moe_platform.config import ConfigError, TrainConfig
 from moe_platform.plan.hardware import GIGA, NOMINAL_CPU, Cluster, gpu_of_device
@@ -155,7 +156,8 @@ def fitting_plans(config: TrainConfig, world_size: int, local_ranks: int, memory
     headroom = Headroom(reserved_bytes=0.0)  # free memory is measured after CUDA took its own
     host_limit = memory.host_bytes / max(local_ranks, 1)
     planning = plan_layouts(config, cluster, headroom=headroom, on_gpu=memory.gpu is not None)
-    return [plan for plan in planning.fitting if build_host_bytes(plan.config, world_size) <= host_limit]
+    with configs_frozen():  # the layouts' configs do not change while their builds are weighed
+        return [plan for plan in planning.fitting if build_host_bytes(plan.config, world_size) <= host_limit]
 
 
 def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memory) -> list[str]:
