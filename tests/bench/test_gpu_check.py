@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_the_cpu_smoke_run_passes_every_check_and_prints_the_table(tmp_path: Path) -> None:
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    env["OMP_NUM_THREADS"] = "1"  # beside make test's other worker: two intra-op threads would spin on a shared core
     result = subprocess.run(
         ["bash", "bench/gpu_check.sh", "--cpu-smoke", "--out", str(tmp_path)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=600,
