@@ -284,12 +284,22 @@ def memoized_by_config(function):
 
     @functools.wraps(function)
     def cached(config, *args, **kwargs):
-        key = (_config_key(config), _hashable(args), _hashable(tuple(sorted(kwargs.items()))))
-        if key not in cache:
-            if len(cache) >= 4096:
-                cache.clear()
-            cache[key] = function(config, *args, **kwargs)
-        return cache[key]
+        frozen = _FROZEN_KEYS.get(id(config)) if _FROZEN_KEYS is not None else None
+        config_key = frozen[1] if frozen is not None and frozen[0] is config else _config_key(config)
+        key = (config_key, args, tuple(sorted(kwargs.items())) if kwargs else ())
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # a list among the arguments (a stage's layers): keyed as a tuple. Hashing the plain key
+            # first, and converting only where it fails, keeps the planner's ~10^5 hits a plan cheap.
+            key = (key[0], _hashable(args), _hashable(key[2]))
+            if key in cache:
+                return cache[key]
+        if len(cache) >= 4096:
+            cache.clear()
+        value = cache[key] = function(config, *args, **kwargs)
+        return value
 
     return cached
 

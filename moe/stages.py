@@ -51,10 +51,17 @@ class StageLayout:
         return stage % self.pipeline_size
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        return [s for s in range(self.num_stages) if self.rank_of_stage(s) == rank]
+        """The stages s with rank_of_stage(s) == rank, ascending: the inverse of `rank_of_stage`, spelled out
+        (the planner asks it ~10^5 times a plan)."""
+        if not 0 <= rank < self.pipeline_size:
+            return []
+        if self.style == "v":
+            return [s for s in (rank, 2 * self.pipeline_size - 1 - rank) if s < self.num_stages]
+        return list(range(rank, self.num_stages, self.pipeline_size))
 
-    def layers(self, stage: int) -> list[int]:
-        return [piece for piece in self.stages[stage] if isinstance(piece, int)]
+    def layers(self, stage: int) -> tuple[int, ...]:
+        """The block indices of stage `stage`, in order (a tuple: memoized ledger functions take it as a key)."""
+        return tuple(piece for piece in self.stages[stage] if isinstance(piece, int))
 
 
 def style_of(schedule: str) -> str:

@@ -217,9 +217,26 @@ class RankMemory:
 def _zero3_persistent_params(model: ModelConfig) -> int:
     """Parameters ZeRO-3 never partitions: those of at most ZERO3_PARAM_PERSISTENCE_THRESHOLD elements, counted on
     the real module (built on the meta device: no memory)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _initialisers_skipped():
         module = Transformer(model)
     return sum(p.numel() for p in module.parameters() if p.numel() <= ZERO3_PARAM_PERSISTENCE_THRESHOLD)
+
+
+_INITIALISERS = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def _initialisers_skipped() -> Iterator[None]:
+    """torch.nn.init's fills as no-ops: only shapes are wanted, and the first fill of a meta tensor imports
+    torch._dynamo (its meta kernel is a traced Python decomposition), ~2 s that moe-plan would pay for nothing."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    for name in _INITIALISERS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(torch.nn.init, name, initialiser)
 
 
 def _buffers(config: TrainConfig, run: RunShape, pipeline_rank: int | None, on_gpu: bool) -> tuple[float, float]:
