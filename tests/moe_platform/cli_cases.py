@@ -10,6 +10,7 @@ stderr, whether `run_dir` exists afterwards, and whether a process group was sta
 reaching it cannot go unnoticed, hang on a port where nothing listens, or pass for a bad-input exit.
 """
 
+import gc
 import json
 import os
 import signal
@@ -112,6 +113,10 @@ def main() -> None:
     import moe_platform.train.trainer  # noqa: F401
 
     _compose_once()
+    # Out of the garbage collector's reach, what the imports made (~4·10^5 objects): otherwise each child's first
+    # full collection walks them all, ~0.3 s of a ~0.8 s case measured on 2 cores (this file: 62 -> 43 s of cases).
+    gc.collect()
+    gc.freeze()
     results = run_cases(cases, out_dir, parallel=min(2, os.cpu_count() or 1))
     Path(sys.argv[2]).write_text(json.dumps(results, indent=1))
 
