@@ -531,8 +531,9 @@ class TrainConfig:
         )
         _require(
             not (self.optim.name == "muon" and self.distributed.strategy == "deepspeed"),
-            "optim.name=muon does not run under distributed.strategy=deepspeed (ZeRO steps flat partitions, so no "
-            "rank holds a whole matrix to orthogonalise): use distributed=ddp or fsdp, or optim=adamw_cosine",
+            "optim.name=muon does not run under distributed.strategy=deepspeed (DeepSpeed's own ZeRO Muon is another "
+            "optimizer: it clips the orthogonalised updates instead of the gradients, bench/deepspeed_muon.py): use "
+            "distributed=ddp or fsdp, or optim=adamw_cosine",
         )
         _require(
             self.model.mtp.depth < self.data.seq_len,

@@ -29,8 +29,9 @@ rows of O. That costs per step an all-gather of 2 B (bf16; fp32: 4 B) for every 
 (half, or all, the bytes of FSDP's fp32 gradient reduce-scatter of them; the expert matrices send nothing), one
 whole matrix and its NS
 temporaries at a time in memory, and NS FLOPs ≈ k·(4·A²·B + 2·A³) per matrix repeated on each rank of the shard
-group instead of divided among them. DeepSpeed's ZeRO steps flat partitions that cut across matrices: refused at
-start-up (config.py).
+group instead of divided among them. DeepSpeed is refused at start-up (config.py): its ZeRO optimizer steps flat
+partitions that cut across matrices, and the Muon DeepSpeed 0.19 built into it is another optimizer (it clips the
+orthogonalised updates, not the gradients; nesterov and 5 NS steps fixed; measured in bench/deepspeed_muon.py).
 
 State: one fp32 momentum buffer (`momentum_buffer`, as torch.optim.Muon names it) per Muon parameter; AdamW's
 `step`, `exp_avg`, `exp_avg_sq` per AdamW parameter, in the same `state` dict, so Accelerate's optimizer file, DCP
