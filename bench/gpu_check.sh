@@ -6,9 +6,9 @@
 #   bench/gpu_check.sh --wheels DIR         # first install the project and its dependencies from DIR, offline
 #   bench/gpu_check.sh --cpu-smoke          # the same steps on CPU in about a minute (tests/bench/test_gpu_check.py)
 #
-# The wheels: the GPU machine reaches no index, and a bare image lacks hydra, omegaconf, datasets, deepspeed…
-# On a machine with an index, for the GPU machine's Python (here 3.11) and without torch (the image's CUDA build
-# stays):   PYTHON=.venv/bin/python bench/gpu_wheels.sh shared/wheels   then on the GPU machine: bench/gpu_check.sh --wheels shared/wheels
+# The wheels: the GPU machine reaches no index, and its image lacks hydra, omegaconf, deepspeed, pydantic…
+# On a machine with an index, what the image lacks, for its Python (3.12), ~33 MB: bench/gpu_wheels.sh .gpu-wheels
+# then on the GPU machine (the device tool carrying .gpu-wheels): bench/gpu_check.sh --wheels .gpu-wheels
 # Other flags go to bench/gpu_check.py (--out DIR, --pytest-args "-k ...").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,10 @@ while [ $# -gt 0 ]; do
 done
 if [ -n "$wheels" ]; then
   [ -d "$wheels" ] || { echo "gpu_check.sh: --wheels $wheels is not a directory: build it with bench/gpu_wheels.sh" >&2; exit 2; }
-  "$PYTHON" -m pip install --quiet --no-index --find-links "$wheels" --no-build-isolation -e . pytest
+  # Without dependency resolution: the image's packages (torch, accelerate, numpy…) stay as they are, and the project's
+  # pins of what it lacks are the carried versions (bench/gpu_wheels.sh checked their requirements against it).
+  "$PYTHON" -m pip install --quiet --no-index --no-deps "$wheels"/*.whl
+  "$PYTHON" -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
 fi
 "$PYTHON" -c "import torch, hydra, moe_platform" 2>/dev/null || {
   echo "gpu_check.sh: $PYTHON lacks torch, hydra or the project: pass --wheels DIR (bench/gpu_wheels.sh builds it)" >&2
