@@ -182,13 +182,19 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _row(k: int, plan: Plan) -> list[str]:
+def _columns(muon: bool) -> tuple[str, ...]:
+    """The table's columns; under optim=muon a "muon" one after "bubble" (its Newton–Schulz and FSDP gathers)."""
+    at = COLUMNS.index("bubble") + 1
+    return (*COLUMNS[:at], "muon", *COLUMNS[at:]) if muon else COLUMNS
+
+
+def _row(k: int, plan: Plan, muon: bool = False) -> list[str]:
     m, t = plan.memory, plan.time
     return [
         str(k), plan.layout.describe(), f"{plan.layout.micro_batch_size}×{plan.grad_accum}", plan.layout.checkpointing,
         _gib(m.weights), _gib(m.gradients), _gib(m.optimizer), _gib(m.activations), _gib(m.buffers + m.gathered),
         _gib(m.total), _gib(plan.headroom_bytes), _seconds(t.total), _seconds(t.compute), _seconds(t.all_to_all),
-        _seconds(t.data_parallel), _seconds(t.pipeline_p2p), _seconds(t.bubble),
+        _seconds(t.data_parallel), _seconds(t.pipeline_p2p), _seconds(t.bubble), *([_seconds(t.muon)] if muon else []),
         f"{t.tokens_per_s / t.world_size:,.0f}", f"{t.mfu:.1%}",
     ]  # fmt: skip
 
@@ -213,18 +219,20 @@ def _print_table(
     shown = planning.fitting[:top]
     if not shown:
         return
-    rows = [_row(k, plan) for k, plan in enumerate(shown, 1)]
+    muon = config.optim.name == "muon"
+    columns = _columns(muon)
+    rows = [_row(k, plan, muon) for k, plan in enumerate(shown, 1)]
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(*COLUMNS, title="memory per rank (GiB) and step time (s) by part, the slowest rank")
+        table = Table(*columns, title="memory per rank (GiB) and step time (s) by part, the slowest rank")
         for row in rows:
             table.add_row(*row)
         Console().print(table)
     else:
-        widths = [max(len(r[i]) for r in [list(COLUMNS), *rows]) for i in range(len(COLUMNS))]
-        for row in [list(COLUMNS), *rows]:
+        widths = [max(len(r[i]) for r in [list(columns), *rows]) for i in range(len(columns))]
+        for row in [list(columns), *rows]:
             cells = [c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
             print("  ".join(cells).rstrip())
     print("\nto launch:")
@@ -250,7 +258,7 @@ def _explain(planning: Planning, k: int, command: _Command) -> None:
               f"{_gib(m.activations):>4}  {_gib(m.gathered):>8}  {_gib(m.buffers):>7}  {_gib(m.total):>5}")  # fmt: skip
     t = plan.time
     print("\nStep time (s, the slowest rank; plan/time_model.py has every formula)")
-    for name in ("compute", "all_to_all", "data_parallel", "pipeline_p2p", "bubble", "total"):
+    for name in ("compute", "all_to_all", "data_parallel", "pipeline_p2p", "bubble", "muon", "total"):
         print(f"  {name:<14} {getattr(t, name):10.4f}")
     print(f"  tokens/s       {t.tokens_per_s:10,.0f}  ({t.tokens_per_s / W:,.0f} per GPU), MFU {t.mfu:.1%}")
 
@@ -270,6 +278,7 @@ def _as_json(planning: Planning, cluster: Cluster, imbalance, command: _Command,
                 "data_parallel": t.data_parallel,
                 "pipeline_p2p": t.pipeline_p2p,
                 "bubble": t.bubble,
+                "muon": t.muon,
                 "total": t.total,
             },
             "tokens_per_s": t.tokens_per_s,

@@ -217,9 +217,15 @@ class RankMemory:
 def _zero3_persistent_params(model: ModelConfig) -> int:
     """Parameters ZeRO-3 never partitions: those of at most ZERO3_PARAM_PERSISTENCE_THRESHOLD elements, counted on
     the real module (built on the meta device: no memory)."""
+    return sum(
+        p.numel() for p in meta_transformer(model).parameters() if p.numel() <= ZERO3_PARAM_PERSISTENCE_THRESHOLD
+    )
+
+
+def meta_transformer(model: ModelConfig) -> Transformer:
+    """The model's modules with every parameter on the meta device: their names and shapes, no memory, no fills."""
     with torch.device("meta"), _initialisers_skipped():
-        module = Transformer(model)
-    return sum(p.numel() for p in module.parameters() if p.numel() <= ZERO3_PARAM_PERSISTENCE_THRESHOLD)
+        return Transformer(model)
 
 
 _INITIALISERS = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")

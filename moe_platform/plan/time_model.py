@@ -1,6 +1,7 @@
 """How long one optimizer step of a layout takes on a cluster: the planner's time model, all of it in this module.
 
     step = compute + exposed all-to-all + exposed data-parallel communication + exposed pipeline P2P + bubble
+           + Muon's Newton–Schulz (optim.name=muon)
 
 Every term is per rank and taken on the slowest one (the pipeline rank with the most work; under EP the expert rank
 that receives the most tokens). Legend: W ranks, PP pipeline ranks, D = W/PP data-parallel ranks per stage, EP
@@ -43,6 +44,13 @@ pipeline P2P = 2 · (PP - 1) · (b·S·d·s / bw + latency): the fill and the dr
             critical path; the steady state's sends overlap with the next micro-batch's compute.
 bubble    = (compute + all-to-all) · f / (1 - f), f = moe.stages.bubble_fraction(schedule, PP, m, V).
 
+muon      = NS FLOPs of the matrices the rank orthogonalises / (peak[NS dtype] · matmul_efficiency)
+            + under FSDP/HSDP the all-gather of its row-sharded 2-D matrices in NS's dtype over the shard group
+            (train/optimizers.py; one message per matrix), after the last backward, so hidden behind nothing.
+            NS_k of an a×b matrix, a ≤ b: k·(4·a²·b + 2·a³) (`newton_schulz_flops`). Every rank of a stage runs NS
+            on every whole 2-D matrix of its layers (DDP and FSDP alike: under FSDP it gathers them first); the
+            routed experts are split: E/EP per rank under DDP, and under FSDP each expert stack is sharded along E
+            over its holders (the busiest rank: ⌈E/EP / (D/EP)⌉ experts, ⌈E / (D/R)⌉ without EP).
 tokens/s = global batch × S / step; MFU = the model's training matmul FLOPs per token (no recomputation) ·
 tokens/s / (W · peak[dtype]), as monitor/throughput.py measures a run's.
 
@@ -56,7 +64,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from moe.config import ModelConfig
+from moe.config import ModelConfig, memoized_by_config
 from moe.ffn import ffn_matmul_flops_per_token
 from moe.flops import matmul_flops_per_token
 from moe.ledger import (
@@ -72,6 +80,7 @@ from moe.ledger import (
 )
 from moe.stages import bubble_fraction, layer_costs
 from moe_platform.config import TrainConfig
+from moe_platform.monitor.peak_memory import meta_transformer
 from moe_platform.plan.hardware import Cluster
 
 
@@ -127,10 +136,11 @@ class StepTime:
     model_flops_per_token: float
     world_size: int
     peak_flops: float
+    muon: float = 0.0  # Newton–Schulz and, under FSDP, its gathers (0 under AdamW)
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.data_parallel + self.pipeline_p2p + self.bubble
+        return self.compute + self.all_to_all + self.data_parallel + self.pipeline_p2p + self.bubble + self.muon
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,7 +191,8 @@ def step_time(
     bubble = (compute + slowest.all_to_all) * f / (1 - f)
     tokens = config.data.global_batch_size * run.seq_len
     flops = matmul_flops_per_token(model, run.seq_len).training
-    return StepTime(compute, slowest.all_to_all, dp, p2p, bubble, tokens, flops, W, peak)
+    muon = max(_muon_seconds(config, run, cluster, assumptions, p) for p in range(run.pipeline_size))
+    return StepTime(compute, slowest.all_to_all, dp, p2p, bubble, tokens, flops, W, peak, muon)
 
 
 def _rank_work(
@@ -320,6 +331,77 @@ def _data_parallel_seconds(
     gathers = 2 if dist.fsdp.reshard_after_forward else 1
     per_micro_batch = gathers * gather + reduce
     return m * (per_micro_batch - min(per_micro_batch, 1.5 * hide))
+
+
+@dataclass(frozen=True)
+class MuonWork:
+    """Newton–Schulz work of one block's hidden matrices (or the MTP modules'), k steps each."""
+
+    dense_flops: float  # its 2-D matrices: attention, dense FFN, shared experts, M_k
+    dense_params: int  # their elements: what FSDP gathers for NS
+    dense_matrices: int
+    expert_flops: float  # one routed expert's matrices
+    experts: int  # E
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> float:
+    """NS_k of one matrix: per step X·Xᵀ (2·a²·b), its square (2·a³) and that times X (2·a²·b), a ≤ b."""
+    a, b = sorted((rows, cols))
+    return steps * (4 * a * a * b + 2 * a**3)
+
+
+@memoized_by_config
+def muon_work_by_block(model: ModelConfig, ns_steps: int) -> dict[int | str, MuonWork]:
+    """Block index (and "mtp" for the MTP modules, on the head's stage) → its `MuonWork`, read off the matrices Muon
+    steps in the real module (train/optimizers.py `hidden_matrices`, on the meta device). Do not modify it."""
+    from moe_platform.train.optimizers import hidden_matrices  # only under Muon: it imports Accelerate
+
+    sums: dict[int | str, list] = {}
+    for name, p in hidden_matrices(meta_transformer(model)):
+        top, index = name.split(".")[:2]
+        work = sums.setdefault(int(index) if top == "blocks" else "mtp", [0.0, 0, 0, 0.0, 0])
+        if p.ndim == 3:  # a stack [E, in, out]: E matrices, each orthogonalised alone
+            work[3] += newton_schulz_flops(p.shape[1], p.shape[2], ns_steps)
+            work[4] = p.shape[0]
+        else:
+            work[0] += newton_schulz_flops(p.shape[0], p.shape[1], ns_steps)
+            work[1] += p.numel()
+            work[2] += 1
+    return {key: MuonWork(*work) for key, work in sums.items()}
+
+
+def _muon_seconds(config: TrainConfig, run: RunShape, cluster: Cluster, assume: Assumptions, pipeline_rank: int):
+    """Muon's seconds per step on one pipeline rank (the module docstring's `muon`); 0 under AdamW."""
+    if config.optim.name != "muon":
+        return 0.0
+    model, muon, dist = config.model, config.optim.muon, config.distributed
+    work = muon_work_by_block(model, muon.ns_steps)
+    if run.pipeline_size > 1:
+        layout = pipeline_layout(model, run)
+        stages = layout.stages_of_rank(pipeline_rank)
+        keys = [layer for s in stages for layer in layout.layers(s)]
+        keys += ["mtp"] if layout.num_stages - 1 in stages else []
+    else:
+        keys = [*range(model.n_layers), "mtp"]
+    blocks = [work[key] for key in keys if key in work]
+    D, EP = run.dp_size, run.ep_size
+    fsdp = dist.strategy == "fsdp"
+    shard_group = D // dist.fsdp.replicate_size if fsdp else 1
+    expert_flops = 0.0
+    for block in blocks:
+        local = block.experts // EP
+        if fsdp:  # each expert stack sharded along E over its holders: the busiest rank's whole experts
+            local = math.ceil(local / (D // EP)) if EP > 1 else math.ceil(block.experts / shard_group)
+        expert_flops += block.expert_flops * local
+    flops = sum(block.dense_flops for block in blocks) + expert_flops
+    dtype = "bf16" if muon.ns_dtype == "bfloat16" else "fp32"
+    seconds = flops / (cluster.gpu.peak(dtype) * assume.matmul_efficiency)
+    if fsdp:
+        ns_bytes = 2 if dtype == "bf16" else 4
+        gathered = sum(block.dense_params for block in blocks) * ns_bytes
+        matrices = sum(block.dense_matrices for block in blocks)
+        seconds += _ring("all_gather", gathered, shard_group, cluster.group_bandwidth(shard_group), assume, matrices)
+    return seconds
 
 
 def _pipeline_p2p_seconds(model: ModelConfig, run: RunShape, cluster: Cluster, assume: Assumptions) -> float:

@@ -10,16 +10,20 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from moe_platform.config import ConfigError, validate_launch
 from moe_platform.launch import plan as moe_plan
 from moe_platform.launch.compose import train_config
 from moe_platform.launch.submit import main as moe_submit
+from moe_platform.monitor.peak_memory import meta_transformer
 from moe_platform.plan import imbalance as imbalances
 from moe_platform.plan.hardware import GIGA, cluster_of, gpu_named
 from moe_platform.plan.layouts import Layout, apply_layout, plan_layouts
 from moe_platform.plan.memory import rank_memory
-from moe_platform.plan.time_model import DEFAULT_ASSUMPTIONS, Assumptions, step_time
+from moe_platform.plan.time_model import DEFAULT_ASSUMPTIONS, Assumptions, newton_schulz_flops, step_time
+from moe_platform.train.optimizers import hidden_matrices, newton_schulz
 
 MOE_SMALL = [
     "model=moe_small", "trainer.precision=bf16", "data.seq_len=1024", "data.global_batch_size=64",
@@ -178,3 +182,42 @@ def test_moe_submit_refuses_what_cannot_fit_its_gpus_and_names_what_would(tmp_pa
     assert not run_dir.exists()
     moe_submit([*options, *MIXTRAL, *named, f"hydra.run.dir={run_dir}"])
     assert (run_dir / "train.sbatch").is_file()
+
+
+def newton_schulz_flops_counted(shape: tuple[int, ...], steps: int = 5) -> int:
+    """What torch's FLOP counter reads off train/optimizers.py's Newton–Schulz of a tensor of `shape` (on meta)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        newton_schulz(torch.empty(shape, device="meta"), steps)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48), (64, 64), (3, 32, 96)], ids=str)
+def test_the_newton_schulz_flops_are_what_torch_counts_of_the_optimizers_own(shape: tuple[int, ...]) -> None:
+    experts = shape[0] if len(shape) == 3 else 1
+    assert experts * newton_schulz_flops(shape[-2], shape[-1], 5) == newton_schulz_flops_counted(shape)
+
+
+def test_muon_adds_its_newton_schulz_and_fsdps_gathers_to_the_step() -> None:
+    """Under DDP every rank runs NS on every hidden matrix of the model (the FLOPs torch counts of the optimizer's
+    own NS, at the matmul rate); expert parallelism splits the experts' share, a pipeline its layers; FSDP adds the
+    gathers of the 2-D matrices; AdamW has no such term."""
+    node = cluster_of(1, 8, "H100")
+
+    def timed(*overrides: str, cluster=node):
+        return step_time(train_config([*MOE_SMALL, *overrides]), cluster)
+
+    ddp = train_config([*MOE_SMALL, "distributed=ddp", "optim=muon"])
+    counted = sum(newton_schulz_flops_counted(tuple(p.shape)) for _, p in hidden_matrices(meta_transformer(ddp.model)))
+    peak = gpu_named("H100").peak("bf16") * DEFAULT_ASSUMPTIONS.matmul_efficiency
+    muon, adamw = timed("distributed=ddp", "optim=muon"), timed("distributed=ddp")
+    assert muon.muon == pytest.approx(counted / peak, rel=1e-9)
+    assert adamw.muon == 0 and muon.total > adamw.total  # (Muon's one buffer moves less state: compute is lower)
+    terms = muon.compute + muon.all_to_all + muon.data_parallel + muon.pipeline_p2p + muon.bubble + muon.muon
+    assert muon.total == pytest.approx(terms)
+    assert timed("distributed=ddp", "optim=muon", "distributed.expert_parallel_size=8").muon < muon.muon
+    assert timed("distributed=ddp", "optim=muon", "distributed.pipeline_parallel_size=2").muon < muon.muon
+    assert timed("distributed=ddp", "optim=muon", "optim.muon.ns_dtype=float32").muon > muon.muon  # the fp32 rate
+    fsdp = ("distributed=fsdp", "optim=muon", "data.global_batch_size=128")
+    slow_nic = timed(*fsdp, cluster=cluster_of(2, 8, "H100", inter_node_gbps=25))
+    assert slow_nic.muon > timed(*fsdp, cluster=cluster_of(2, 8, "H100")).muon  # its gathers cross the NIC
