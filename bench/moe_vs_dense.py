@@ -16,6 +16,10 @@ the same question of our platform, at CPU size, through the real `moe-train`:
     moe-8x2, dense-total-8x2
                      8 routed experts of width F, top-2 (the active width of moe-4x2, twice its total) and the dense
                      FFN of width 8·F; only when --rows names them (a pilot: bench/README.md says what it showed)
+    moe-2x1          2 routed experts of width 2·F, top-1 (Switch's routing: the gate is the chosen expert's
+                     softmax probability, not renormalised to 1, so the router learns from the loss): the active
+                     (2·F) and total (4·F) widths of moe-4x2 and of the dense rows, in whole-width experts; only when
+                     --rows names it (a pilot: bench/README.md says what it showed)
     balanced-8x2     8 routed experts of width F, top-2, aux 0.01: the collapse row's control (one seed, short)
     collapse         balanced-8x2 with model.moe.aux_loss_coef=0 and no balancing bias (one seed, short): the routing
                      alert (moe_platform/monitor/alerts.py) must fire within the run, and moe-report's HTML show it.
@@ -129,6 +133,8 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
     moe_4x2 = ["model=moe_tiny", "model.moe.num_experts=4", "model.moe.top_k=2", f"model.moe.expert_d_ff={F}"]
     fine_shared = ["model=moe_tiny", "model.moe.num_experts=7", "model.moe.top_k=3", "model.moe.num_shared_experts=1"]
     moe_8x2 = ["model=moe_tiny", "model.moe.num_experts=8", "model.moe.top_k=2", f"model.moe.expert_d_ff={F}"]
+    top_1 = ["model.moe.top_k=1", "model.moe.router.renormalize_topk=false"]  # Switch's gate: p of the one chosen
+    switch_2x1 = ["model=moe_tiny", "model.moe.num_experts=2", *top_1]
     rows = {
         "dense-active": ["model=dense_tiny", f"model.d_ff={2 * F}"],
         "moe-4x2": moe_4x2,
@@ -138,6 +144,7 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
         "dense-active-muon": ["model=dense_tiny", f"model.d_ff={2 * F}", "optim=muon"],
         "dense-total-muon": ["model=dense_tiny", f"model.d_ff={4 * F}", "optim=muon"],
         "moe-8x2": moe_8x2,
+        "moe-2x1": [*switch_2x1, f"model.moe.expert_d_ff={2 * F}"],
         "dense-total-8x2": ["model=dense_tiny", f"model.d_ff={8 * F}"],
         "balanced-8x2": moe_8x2,
         "collapse": [*moe_8x2, "model.moe.aux_loss_coef=0", "model.moe.router.bias_update_rate=0"],
@@ -146,7 +153,7 @@ def row_overrides(size: Size) -> dict[str, list[str]]:
 
 
 COLLAPSE_ROWS = ("balanced-8x2", "collapse")  # one seed, collapse_steps, an HTML report each
-OPT_IN_ROWS = ("moe-8x2", "dense-total-8x2")  # run only when --rows names them
+OPT_IN_ROWS = ("moe-8x2", "dense-total-8x2", "moe-2x1")  # run only when --rows names them
 # (row, reference): the gaps printed, row − reference.
 GAPS = (
     ("moe-4x2", "dense-active"),
@@ -161,6 +168,9 @@ GAPS = (
     ("moe-8x2", "dense-active"),
     ("moe-8x2", "dense-total-8x2"),
     ("moe-8x2", "moe-4x2"),
+    ("moe-2x1", "dense-active"),
+    ("moe-2x1", "dense-total"),
+    ("moe-2x1", "moe-4x2"),
 )
 
 
@@ -491,7 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps, 1 seed, 2 rows + collapse")
     parser.add_argument(
         "--rows",
-        help="comma-separated rows (default: all but the opt-in moe-8x2 and dense-total-8x2; "
+        help="comma-separated rows (default: all but the opt-in moe-8x2, dense-total-8x2 and moe-2x1; "
         "--quick: dense-active,moe-4x2,collapse)",
     )
     parser.add_argument("--seeds", help="comma-separated seeds (default: 0,1,2; --quick: 0)")

@@ -23,7 +23,8 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
         for row, overrides in bench.row_overrides(size).items()
     }
     routers = {
-        row: size.n_layers * size.d_model * e for row, e in (("moe-4x2", 4), ("moe-fine-shared", 7), ("moe-8x2", 8))
+        row: size.n_layers * size.d_model * e
+        for row, e in (("moe-4x2", 4), ("moe-fine-shared", 7), ("moe-8x2", 8), ("moe-2x1", 2))
     }
     assert counts["dense-active"].total == counts["moe-4x2"].active - routers["moe-4x2"]
     assert counts["dense-total"].total == counts["moe-4x2"].total - routers["moe-4x2"]
@@ -33,6 +34,8 @@ def test_the_rows_have_the_active_and_total_parameters_they_claim(load_bench) ->
     assert counts["moe-8x2"] == counts["balanced-8x2"]  # the same model, trained for the full run
     assert counts["dense-total-8x2"].total == counts["moe-8x2"].total - routers["moe-8x2"]
     assert counts["collapse"].active == counts["moe-4x2"].active + size.n_layers * size.d_model * 4
+    assert counts["moe-2x1"].active - routers["moe-2x1"] == counts["dense-active"].total  # whole-width experts
+    assert counts["moe-2x1"].total - routers["moe-2x1"] == counts["dense-total"].total
     for row in ("moe-4x2", "dense-active", "dense-total"):  # the Muon rows change the optimizer, not the model
         assert counts[f"{row}-muon"] == counts[row]
 
