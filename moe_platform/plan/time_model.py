@@ -395,7 +395,9 @@ def _muon_seconds(config: TrainConfig, run: RunShape, cluster: Cluster, assume: 
         expert_flops += block.expert_flops * local
     flops = sum(block.dense_flops for block in blocks) + expert_flops
     dtype = "bf16" if muon.ns_dtype == "bfloat16" else "fp32"
-    seconds = flops / (cluster.gpu.peak(dtype) * assume.matmul_efficiency)
+    # A calibration of this machine (--this-machine) may hold only the run's dtype: NS is then timed at that rate.
+    rate = cluster.gpu.peak_flops.get(dtype) or cluster.gpu.peak(assume.matmul_dtype or run.precision)
+    seconds = flops / (rate * assume.matmul_efficiency)
     if fsdp:
         ns_bytes = 2 if dtype == "bf16" else 4
         gathered = sum(block.dense_params for block in blocks) * ns_bytes
