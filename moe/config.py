@@ -284,9 +284,7 @@ def memoized_by_config(function):
 
     @functools.wraps(function)
     def cached(config, *args, **kwargs):
-        frozen = _FROZEN_KEYS.get(id(config)) if _FROZEN_KEYS is not None else None
-        config_key = frozen[1] if frozen is not None and frozen[0] is config else _config_key(config)
-        key = (config_key, args, tuple(sorted(kwargs.items())) if kwargs else ())
+        key = (_config_key(config), args, tuple(sorted(kwargs.items())) if kwargs else ())
         try:
             return cache[key]
         except KeyError:

@@ -205,12 +205,7 @@ def _rank_work(
     peak: float,
 ) -> _Rank:
     P = run.pipeline_size
-    layout = pipeline_layout(model, run) if P > 1 else None
-    if layout is None:
-        stages = [(list(range(model.n_layers)), True)]
-    else:
-        mine = layout.stages_of_rank(pipeline_rank)
-        stages = [(layout.layers(s), s == layout.num_stages - 1) for s in mine]
+    stages = _stages_of_rank(model, run, pipeline_rank)
     costs = layer_costs(model, run.seq_len)
     head = 3 * matmul_flops_per_token(model, run.seq_len).lm_head
     layers = [layer for stage_layers, _ in stages for layer in stage_layers]
@@ -239,6 +234,15 @@ def _rank_work(
     dense, routed = held_params_by_rank(model, run)[pipeline_rank if P > 1 else 0]
     backward = 2 / 3 * matmul / micro_batches
     return _Rank(matmul, memory, overhead, a2a, backward, dense, routed // run.ep_size, len(layers))
+
+
+def _stages_of_rank(model: ModelConfig, run: RunShape, pipeline_rank: int) -> list[tuple[tuple[int, ...], bool]]:
+    """(its layers, whether it is the last stage, which runs the head and the MTP modules) of each stage the
+    pipeline rank runs; without a pipeline, the whole model as one last stage."""
+    if run.pipeline_size == 1:
+        return [(tuple(range(model.n_layers)), True)]
+    layout = pipeline_layout(model, run)
+    return [(layout.layers(s), s == layout.num_stages - 1) for s in layout.stages_of_rank(pipeline_rank)]
 
 
 def _recompute_flops(model: ModelConfig, run: RunShape, layers: list[int], costs: list[int], head: int) -> float:
@@ -376,13 +380,8 @@ def _muon_seconds(config: TrainConfig, run: RunShape, cluster: Cluster, assume: 
         return 0.0
     model, muon, dist = config.model, config.optim.muon, config.distributed
     work = muon_work_by_block(model, muon.ns_steps)
-    if run.pipeline_size > 1:
-        layout = pipeline_layout(model, run)
-        stages = layout.stages_of_rank(pipeline_rank)
-        keys = [layer for s in stages for layer in layout.layers(s)]
-        keys += ["mtp"] if layout.num_stages - 1 in stages else []
-    else:
-        keys = [*range(model.n_layers), "mtp"]
+    stages = _stages_of_rank(model, run, pipeline_rank)
+    keys = [key for layers, last in stages for key in (*layers, *(["mtp"] if last else []))]
     blocks = [work[key] for key in keys if key in work]
     D, EP = run.dp_size, run.ep_size
     fsdp = dist.strategy == "fsdp"
@@ -399,8 +398,7 @@ def _muon_seconds(config: TrainConfig, run: RunShape, cluster: Cluster, assume: 
     rate = cluster.gpu.peak_flops.get(dtype) or cluster.gpu.peak(assume.matmul_dtype or run.precision)
     seconds = flops / (rate * assume.matmul_efficiency)
     if fsdp:
-        ns_bytes = 2 if dtype == "bf16" else 4
-        gathered = sum(block.dense_params for block in blocks) * ns_bytes
+        gathered = sum(block.dense_params for block in blocks) * PARAM_DTYPE_BYTES[dtype]
         matrices = sum(block.dense_matrices for block in blocks)
         seconds += _ring("all_gather", gathered, shard_group, cluster.group_bandwidth(shard_group), assume, matrices)
     return seconds

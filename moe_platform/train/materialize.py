@@ -30,12 +30,12 @@ from moe.expert_parallel import is_expert_parameter
 from moe.model import Block, MTPModule
 from moe_platform.checkpoint.sharded import copy_into_shard
 from moe_platform.config import TrainConfig
+from moe_platform.monitor.peak_memory import meta_transformer
 
 
 def build_meta(config: TrainConfig) -> Transformer:
     """The model's structure on the meta device: no memory, and no draw from any generator."""
-    with torch.device("meta"):
-        return Transformer(config.model)
+    return meta_transformer(config.model)
 
 
 class ShardFiller:
