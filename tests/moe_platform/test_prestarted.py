@@ -1,0 +1,40 @@
+"""The prestarted `moe-train` (launch/prestarted.py) forks its ranks from a process that has imported what a run
+imports. A fork copies only the forking thread, so those imports must start no thread of their own (an OpenMP pool,
+a compile worker) and no process: a rank forked after one would run without it. The ranks' own behaviour is every
+other test that launches through it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moe_platform.testing import subprocess_env
+
+pytestmark = pytest.mark.slow
+
+# Each thread's name before and after the imports, and the child processes after them. torch's import starts one
+# thread of its own, before anything the server adds.
+THREADS_AND_CHILDREN = """
+import json, os, psutil, torch
+def threads():
+    return sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+before = threads()
+from moe_platform.launch.prestarted import import_the_command
+import_the_command()
+print(json.dumps([before, threads(), len(psutil.Process().children())]))
+"""
+# pyarrow's jemalloc starts its background thread when loaded; jemalloc itself starts it again in a forked child.
+FORK_SAFE = {"jemalloc_bg_thd"}
+
+
+def test_the_imports_before_the_fork_start_no_thread_and_no_process() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", THREADS_AND_CHILDREN], capture_output=True, text=True, env=subprocess_env(), timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after, children = json.loads(result.stdout.splitlines()[-1])
+    added = list(after)
+    for name in before:
+        added.remove(name)
+    assert [name for name in added if name not in FORK_SAFE] == [] and children == 0, (before, after, children)
