@@ -19,6 +19,7 @@ request at a time. The tests read each rank's exit code from the reply (testing.
 prints them in its failure summary.
 """
 
+import importlib
 import json
 import os
 import signal
@@ -26,6 +27,16 @@ import sys
 import time
 import traceback
 from types import ModuleType
+
+# What every ZeRO start imports late, in each rank (measured with -X importtime in the forked ranks: ~6-8 s per rank
+# on 2 cores, where DDP and FSDP ranks import nothing more): DeepSpeed's ZeRO optimizer check imports its Muon, whose
+# torch.compile decorators pull in torch._inductor; Accelerate's DeepSpeed plugin imports transformers' integration;
+# the engine its expert-parallel config. Imports only: no thread is started (test_prestarted.py).
+ZERO_LATE_IMPORTS = (
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "transformers.integrations",
+    "deepspeed.module_inject.auto_ep_config",
+)
 
 GRACE_S = 30.0  # torchrun's wait between SIGTERM and SIGKILL for the survivors of a failed rank
 POLL_S = 0.05
@@ -45,21 +56,15 @@ def rank_environment(env: dict[str, str], rank: int, nproc: int, port: int) -> d
 def import_the_command() -> ModuleType:
     """moe-train's module and what a run imports on its way (the trainer's strategies, checkpoints, interop)."""
     import accelerate  # noqa: F401
-    import deepspeed
-
-    # What every ZeRO start imports late, in each rank (measured with -X importtime in the forked ranks: ~6-8 s per
-    # rank on 2 cores, where DDP and FSDP ranks import nothing more): DeepSpeed's ZeRO optimizer check imports its
-    # Muon, whose torch.compile decorators pull in torch._inductor; Accelerate's DeepSpeed plugin imports
-    # transformers' integration; the engine its expert-parallel config. Imports only: no thread is started.
-    import deepspeed.module_inject.auto_ep_config
-    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import deepspeed  # noqa: F401
     import torch.distributed.checkpoint
     import torch.distributed.fsdp  # noqa: F401
-    import transformers.integrations  # noqa: F401
 
     import moe_platform.launch.cli as cli
     import moe_platform.train.trainer  # noqa: F401  (cli.run imports it late: 1-2 s per rank, torch._dynamo with it)
 
+    for module in ZERO_LATE_IMPORTS:
+        importlib.import_module(module)
     return cli
 
 
