@@ -110,6 +110,7 @@ class Size:
     collapse_steps: int
     alert_consecutive_logs: int = 3  # logging's default
     bpe_vocab: int = 0  # 0: byte-level (vocab 258); N: a byte-level BPE of N tokens trained on the training files
+    data_seed: int = -1  # -1: seed s samples in order s; N >= 0: every seed samples in order N (only the init differs)
 
 
 # Sized by the pilot in bench/README.md: dense-active measured ~3 min of CPU on one thread (0.44 s a step); the
@@ -308,7 +309,8 @@ def common_overrides(size: Size, corpus: Corpus, seed: int) -> list[str]:
         f"model.n_kv_heads={size.n_kv_heads}", f"model.max_seq_len={size.seq_len}",
         "data=tokenized", f"data.tokenized.path={corpus.shards}", f"data.seq_len={size.seq_len}",
         f"data.global_batch_size={size.global_batch}", f"trainer.micro_batch_size={size.global_batch}",
-        f"data.val.fraction={size.val_fraction}", f"data.val.max_batches={val_max}", f"data.seed={seed}",
+        f"data.val.fraction={size.val_fraction}", f"data.val.max_batches={val_max}",
+        f"data.seed={seed if size.data_seed < 0 else size.data_seed}",
         f"optim.warmup_steps={size.warmup_steps}",
         f"trainer.max_steps={size.steps}", f"trainer.log_every={size.log_every}",
         f"trainer.eval_every={size.eval_every}", f"trainer.seed={seed}", "trainer.save_final=false",

@@ -89,6 +89,19 @@ def test_set_overrides_a_numeric_field_of_the_size_and_refuses_others_in_one_sen
         assert ". " not in str(error.value)
 
 
+def test_data_seed_fixes_the_sample_order_for_every_seed_and_leaves_the_init_seed_alone(load_bench) -> None:
+    from dataclasses import replace
+
+    bench = load_bench("moe_vs_dense")
+    corpus = bench.Corpus(**{f.name: None for f in bench.fields(bench.Corpus)} | {"bpe_vocab": 0})
+    for seed in (0, 3):
+        own = bench.common_overrides(bench.QUICK, corpus, seed)
+        fixed = bench.common_overrides(replace(bench.QUICK, data_seed=7), corpus, seed)
+        assert f"data.seed={seed}" in own and f"trainer.seed={seed}" in own
+        assert "data.seed=7" in fixed and f"trainer.seed={seed}" in fixed
+        assert [o for o in own if not o.startswith("data.seed=")] == [o for o in fixed if not o.startswith("data.seed=")]
+
+
 def test_the_bpe_learns_from_the_training_texts_alone_and_round_trips_text(load_bench, tmp_path: Path) -> None:
     """--set bpe_vocab=N: N tokens with EOS, every byte encodable (nothing unknown), text back exactly."""
     import tokenizers
