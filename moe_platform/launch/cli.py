@@ -157,7 +157,7 @@ def main() -> None:
     _quiet_hydra_on_other_ranks()
     no_live_progress_bars_off_a_terminal()
     composed = _compose_or_exit(sys.argv[1:])
-    with _hydra_told_the_mode(composed):
+    with _hydra_handed_the_config(composed, sys.argv[1:]):
         _hydra_main()
     leave_without_interpreter_teardown()
 
@@ -191,24 +191,49 @@ def _compose_or_exit(argv: list[str]) -> Optional[DictConfig]:
 
 
 @contextlib.contextmanager
-def _hydra_told_the_mode(composed: Optional[DictConfig]) -> Iterator[None]:
-    """Hydra composes the whole config once just to read `hydra.mode` (Hydra.get_mode), then again to run it: a
-    third of every rank's composing, ~0.11 s of its start (the test suite starts ~430 ranks). A plain run's config
-    is composed already, and its `hydra.mode` is what get_mode would read (None unless a config or override sets
-    it; --multirun and hydra.mode overrides are not plain runs), so Hydra is handed that value instead. A Hydra
-    without this private method composes three times, as before."""
-    from hydra._internal.hydra import Hydra
+def _hydra_handed_the_config(composed: Optional[DictConfig], argv: list[str]) -> Iterator[None]:
+    """Hydra composes a plain run's config twice more after `_compose_or_exit` has: once only to read `hydra.mode`
+    (Hydra.get_mode), once to run it. Composing is ~0.1-0.3 s of every rank's start (the test suite starts ~500
+    ranks), so both are answered from the config composed already, which is exactly what Hydra would compose:
 
-    if composed is None or not callable(getattr(Hydra, "get_mode", None)):
+    * get_mode reads `hydra.mode`: None unless a config or override sets it (--multirun and hydra.mode overrides
+      are not plain runs);
+    * where that is None, Hydra runs with the override `hydra.mode=RUN` added (hydra/_internal/utils.py,
+      `_run_app`), which composes to the same config with `hydra.mode` RUN and that override listed last in
+      `hydra.overrides.hydra`; the config handed over is given both.
+
+    The config is handed over once, and only for the call with exactly the plain run's overrides (plus Hydra's
+    `hydra.mode=RUN`); any other composition, and a Hydra without these private methods, composes as before.
+    tests/moe_platform/test_compose_once.py checks the job's config equals the one Hydra composes itself."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.types import RunMode
+
+    run = plain_run(argv)
+    private = (getattr(Hydra, "get_mode", None), getattr(ConfigLoaderImpl, "load_configuration", None))
+    if composed is None or run is None or not all(callable(method) for method in private):
         yield
         return
     mode = OmegaConf.select(composed, "hydra.mode", throw_on_resolution_failure=False)
-    original = Hydra.get_mode
+    own_overrides = list(run.overrides) + ([] if mode is not None else ["hydra.mode=RUN"])
+    handed = [composed]
+    get_mode, load = private
+
+    def load_configuration(self, config_name, overrides, run_mode, *args, **kwargs):
+        if not handed or run_mode != RunMode.RUN or list(overrides) != own_overrides:
+            return load(self, config_name, overrides, run_mode, *args, **kwargs)
+        cfg = handed.pop()
+        if mode is None:  # what Hydra's added override composes to
+            cfg.hydra.mode = RunMode.RUN
+            cfg.hydra.overrides.hydra.append("hydra.mode=RUN")
+        return cfg
+
     Hydra.get_mode = lambda self, config_name, overrides: mode
+    ConfigLoaderImpl.load_configuration = load_configuration
     try:
         yield
     finally:
-        Hydra.get_mode = original
+        Hydra.get_mode, ConfigLoaderImpl.load_configuration = get_mode, load
 
 
 def _undo_refused_start() -> None:

@@ -27,6 +27,7 @@ from moe_platform.launch import bad_input
 CONF_PACKAGE = "moe_platform.conf"
 CONFIG_PATH = f"pkg://{CONF_PACKAGE}"  # moe-train's hydra.main(config_path=...): the same configs
 CONFIG_NAME = "train"
+SCHEMA = "train_schema"
 JOB_NAME = "cli"  # what hydra.main names moe-train's job (its module's file name), so hydra.job.name composes alike
 
 
@@ -37,8 +38,11 @@ def conf_dir() -> Path:
 
 
 def register_configs() -> None:
-    """Put the schema in Hydra's ConfigStore; conf/train.yaml lists `train_schema` first in its defaults."""
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    """Put the schema in Hydra's ConfigStore, once a process (turning the dataclasses into a config is ~30 ms, and
+    moe-train's start asks twice); conf/train.yaml lists `train_schema` first in its defaults."""
+    store = ConfigStore.instance()
+    if f"{SCHEMA}.yaml" not in store.repo:
+        store.store(name=SCHEMA, node=TrainConfig)
 
 
 def user_config_dir(config_dir: str) -> str:
