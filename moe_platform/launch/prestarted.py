@@ -61,7 +61,11 @@ def import_the_command() -> ModuleType:
     import torch.distributed.fsdp  # noqa: F401
 
     import moe_platform.launch.cli as cli
+    import moe_platform.train.pipeline_step  # the trainer imports it under pipeline parallelism only
     import moe_platform.train.trainer  # noqa: F401  (cli.run imports it late: 1-2 s per rank, torch._dynamo with it)
+    from moe_platform.launch.compose import register_configs
+
+    register_configs()  # the schema in Hydra's ConfigStore, for every forked rank
 
     for module in ZERO_LATE_IMPORTS:
         importlib.import_module(module)

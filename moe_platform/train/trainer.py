@@ -58,12 +58,12 @@ from moe_platform.monitor.peak_memory import PeakMemoryProbe, predict_peak, pred
 from moe_platform.monitor.progress import Progress
 from moe_platform.monitor.throughput import Throughput
 from moe_platform.parallel import deepspeed_experts, expert_parallel, fsdp
+from moe_platform.parallel.accelerator import unwrapped_module
 from moe_platform.train.liveness import Liveness
 from moe_platform.train.materialize import build_meta
 from moe_platform.train.model_build import build_model
 from moe_platform.train.nan_guard import NanGuard, NumericalFault, poison_nonfinite
 from moe_platform.train.optimizers import build_optimizer, param_groups
-from moe_platform.train.pipeline_step import PipelineTraining, token_mean_loss
 from moe_platform.train.preemption import PreemptionWatch
 from moe_platform.train.qk_clip import AttentionLogits
 
@@ -170,7 +170,11 @@ class Trainer:
         self._deepspeed = config.distributed.strategy == "deepspeed"
         self._fsdp = config.distributed.strategy == "fsdp"
         # Under PP this rank's stages (train/pipeline_step.py), built on the meta device like FSDP's shards
-        self.pipeline = PipelineTraining(config, accelerator) if config.distributed.pipeline_parallel_size > 1 else None
+        self.pipeline = None
+        if config.distributed.pipeline_parallel_size > 1:  # imported here: torch.distributed.pipelining is ~1 s
+            from moe_platform.train.pipeline_step import PipelineTraining
+
+            self.pipeline = PipelineTraining(config, accelerator)
         # FSDP builds the model sharded (train/materialize.py); seeds first: loading the data may have drawn on a rank
         model = build_model(config, accelerator, shard=self._sharding())
         faults.poison_outputs(model, lambda: self.state.step + 1)  # reliability tests only (MOE_FAULTS)
@@ -179,7 +183,7 @@ class Trainer:
         self.peak_lrs = [group["lr"] for group in self.optimizer.param_groups]
         # The module inside the engine, looked up once: Accelerate's unwrap_model reads package metadata on every
         # call (is_deepspeed_available), ~1% of a ZeRO-2 step when done per step.
-        self.module = accelerator.unwrap_model(self.model)
+        self.module = unwrapped_module(self.model, accelerator, self._deepspeed)
         self.bias_routers = balancing_routers(self.module)  # found once: the walk costs 0.15 ms a step (bench)
 
         self.attention_logits = AttentionLogits(model, config)  # S_max per head, and QK-clip (train/qk_clip.py)
@@ -235,6 +239,8 @@ class Trainer:
         strategy says and build the optimizer on what this rank holds. Under FSDP2 the model came sharded from
         build_model, and Accelerate prepares neither model nor optimizer (parallel/fsdp.py says why)."""
         if self.pipeline is not None:  # the stages' data parallelism is pipeline_step's, not Accelerate's
+            from moe_platform.train.pipeline_step import token_mean_loss
+
             self.meshes = self.pipeline.meshes.stage
             self.expert_groups = self.pipeline.meshes.expert_groups
             self.pipeline.start(lambda logits, labels: poison_nonfinite(token_mean_loss(logits, labels)))
