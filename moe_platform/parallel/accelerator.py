@@ -154,3 +154,20 @@ def register_moe_leaf_modules(model: torch.nn.Module) -> None:
 
     if any(isinstance(m, MoELayer) for m in model.modules()):
         set_z3_leaf_modules(model, [MoELayer])
+
+
+def unwrapped_module(model: torch.nn.Module, accelerator: Accelerator, deepspeed: bool) -> torch.nn.Module:
+    """The model inside its data-parallel wrapper, as `accelerator.unwrap_model` finds it. That imports DeepSpeed
+    wherever it is installed, to recognise its engine: ~0.6-1 s of every DDP, FSDP and single-process start on 2 cores
+    for a class only a DeepSpeed run can hold. Elsewhere the wrapper is DDP's (or none: FSDP2 shards in place), under
+    a torch.compile wrapper if the whole model was compiled (`trainer.compile` compiles blocks, which stay inside)."""
+    if deepspeed:
+        return accelerator.unwrap_model(model)
+    compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+    inner = compiled._orig_mod if compiled is not None else model
+    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        inner = inner.module
+    if compiled is None:
+        return inner
+    compiled._orig_mod = inner  # as Accelerate keeps torch.compile's wrapper around the unwrapped module
+    return compiled

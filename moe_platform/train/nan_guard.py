@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_platform.checkpoint.catalog import latest_checkpoint
 from moe_platform.config import TrainerConfig
+from moe_platform.parallel.accelerator import unwrapped_module
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ class NanGuard:
         self.replay: Callable[[dict], Any] = self._forward
         self.stage_of: Callable[[str], int] = lambda name: 0
 
+    def _module(self) -> nn.Module:
+        return unwrapped_module(self.model, self.accelerator, deepspeed=self.engine is not None)
+
     def step_is_finite(self, grad_norm: float) -> bool:
         """After the step's last backward and clipping: may the update be applied? The same answer on every rank.
         Under DeepSpeed the engine has already checked, and skipped its step if not."""
@@ -80,7 +84,7 @@ class NanGuard:
         where the fault began, count it; returns the message to halt with, or None to go on (the step skipped).
         `batches` and `losses` are this rank's micro-batches of the step and their total losses."""
         origin = self._locate(batches, losses)
-        _drop_balancing_counts(self.accelerator.unwrap_model(self.model))  # the step's forwards' and _locate's
+        _drop_balancing_counts(self._module())  # the step's forwards' and _locate's
         self.state.skipped_steps += 1
         self.state.skipped_in_a_row += 1
         self.skipped_in_window += 1
@@ -112,7 +116,7 @@ class NanGuard:
         """Collective, before every checkpoint: the message to halt with if any rank holds a non-finite weight (its
         own ZeRO-3 partition, or expert block under EP), else None."""
         names, tensors = [], []
-        for name, tensor in _local_weights(self.accelerator.unwrap_model(self.model)):
+        for name, tensor in _local_weights(self._module()):
             names.append(name)
             tensors.append(torch.isfinite(tensor).all())
         finite = torch.stack(tensors).tolist() if tensors else []
@@ -146,7 +150,7 @@ class NanGuard:
 
             return hook
 
-        named = [(name, module) for name, module in self.accelerator.unwrap_model(self.model).named_modules() if name]
+        named = [(name, module) for name, module in self._module().named_modules() if name]
         handles = [module.register_forward_hook(note(name)) for name, module in named]
         devices = [device] if device.type == "cuda" else []
         try:
