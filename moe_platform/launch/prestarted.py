@@ -33,6 +33,7 @@ from types import ModuleType
 # torch.compile decorators pull in torch._inductor; Accelerate's DeepSpeed plugin imports transformers' integration;
 # the engine its expert-parallel config. Imports only: no thread is started (test_prestarted.py).
 ZERO_LATE_IMPORTS = (
+    "deepspeed.ops",  # its op builders, read to mark the CPU backend's shared-memory op off (parallel/accelerator.py)
     "deepspeed.runtime.zero.muon.muon_optimizer",
     "transformers.integrations",
     "deepspeed.module_inject.auto_ep_config",
