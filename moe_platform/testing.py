@@ -343,20 +343,37 @@ def assert_trains_like(
     return train
 
 
+# What run_distributed's fork server imports before it forks a rank: torch and what the tests' rank functions import
+# (the model, the trainer's pieces, pipelining, DeepSpeed for ZeRO-3 builds). Imports only, like the prestarted
+# moe-train's: none starts a thread (tests/moe_platform/test_prestarted.py).
+DISTRIBUTED_PRELOAD = (
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+    "torch.distributed.pipelining", "pytest", "accelerate", "deepspeed", "moe", "data_pipeline",
+    "moe_platform.testing", "moe_platform.launch.compose", "moe_platform.train.trainer",
+    "moe_platform.train.pipeline_step",
+)  # fmt: skip
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0) -> list[Any]:
     """`fn(rank, world_size, *args)` in `world_size` fresh processes that share a gloo process group on 127.0.0.1;
     returns each rank's return value, in rank order. A rank's exception fails the call with that rank's traceback;
     a rank left waiting in a collective is killed after `timeout` seconds.
 
-    `fn` must be a module-level function (the processes are spawned, not forked: a fork would copy the parent's
-    torch thread pools); it is found again in its source file, which may be a test module pytest imported by path.
+    `fn` must be a module-level function; it is found again in its source file, which may be a test module pytest
+    imported by path. The processes are not forked from the caller (that would copy its torch thread pools) but from
+    multiprocessing's fork server, a process that only imported DISTRIBUTED_PRELOAD, started at this test process's
+    first call and kept: each rank then starts in ~0.1 s where a spawned one imported torch and the platform again
+    (~3-5 s of CPU on 2 cores, for each of the suite's ~60 ranks). A rank gets the caller's environment and working
+    directory as a spawned one would.
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(DISTRIBUTED_PRELOAD))  # read when the server starts, at the first call
     results = context.Queue()
     source = (inspect.getsourcefile(fn), fn.__qualname__)
     port = free_port()
+    environment = dict(os.environ)
     processes = [
-        context.Process(target=_distributed_worker, args=(source, rank, world_size, port, args, results))
+        context.Process(target=_distributed_worker, args=(source, rank, world_size, port, args, results, environment))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -379,10 +396,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     return [by_rank[rank] for rank in range(world_size)]
 
 
-def _distributed_worker(source: tuple[str, str], rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def _distributed_worker(
+    source: tuple[str, str], rank: int, world_size: int, port: int, args: tuple, results, environment: dict[str, str]
+) -> None:
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(environment)  # the caller's now, not the fork server's from its start
     torch.set_num_threads(1)
     try:
         path, name = source
