@@ -42,7 +42,8 @@ bench/README.md says what it showed).
 about code asks mostly about copying identifiers); files with neither are left out.
 
 Every run has the same tokens, schedule and seed set: seed s sets both trainer.seed (init) and data.seed (sample
-order), so row A and row B of seed s see the same batches in the same order; AdamW with warmup then cosine decay.
+order), so row A and row B of seed s see the same batches in the same order (`--set data_seed=N`: every seed reads
+order N, and only the init differs); AdamW with warmup then cosine decay.
 Printed per row: eval loss on the held-out files after the last step (mean ± std, min–max over seeds), tokens/s
 (median log window after the first), parameters total/active (the run's own config through moe.count_parameters,
 the ledger's source), and routing health from metrics.jsonl (MaxVio of the worst layer, averaged over the second
