@@ -64,13 +64,11 @@ class NanGuard:
         self.on_nan, self.max_in_a_row = config.on_nan, config.nan_max_consecutive
         self.accelerator, self.model, self.state, self.run_dir = accelerator, model, state, Path(run_dir)
         self.engine = model if hasattr(model, "was_step_applied") else None  # a DeepSpeed engine
+        self.module = unwrapped_module(model, accelerator, deepspeed=self.engine is not None)  # inside the wrapper
         self.skipped_in_window = 0
         # How `_locate` re-runs a micro-batch's forward, and the stage of each module (pipeline_step.py sets both)
         self.replay: Callable[[dict], Any] = self._forward
         self.stage_of: Callable[[str], int] = lambda name: 0
-
-    def _module(self) -> nn.Module:
-        return unwrapped_module(self.model, self.accelerator, deepspeed=self.engine is not None)
 
     def step_is_finite(self, grad_norm: float) -> bool:
         """After the step's last backward and clipping: may the update be applied? The same answer on every rank.
@@ -84,7 +82,7 @@ class NanGuard:
         where the fault began, count it; returns the message to halt with, or None to go on (the step skipped).
         `batches` and `losses` are this rank's micro-batches of the step and their total losses."""
         origin = self._locate(batches, losses)
-        _drop_balancing_counts(self._module())  # the step's forwards' and _locate's
+        _drop_balancing_counts(self.module)  # the step's forwards' and _locate's
         self.state.skipped_steps += 1
         self.state.skipped_in_a_row += 1
         self.skipped_in_window += 1
@@ -116,7 +114,7 @@ class NanGuard:
         """Collective, before every checkpoint: the message to halt with if any rank holds a non-finite weight (its
         own ZeRO-3 partition, or expert block under EP), else None."""
         names, tensors = [], []
-        for name, tensor in _local_weights(self._module()):
+        for name, tensor in _local_weights(self.module):
             names.append(name)
             tensors.append(torch.isfinite(tensor).all())
         finite = torch.stack(tensors).tolist() if tensors else []
@@ -150,7 +148,7 @@ class NanGuard:
 
             return hook
 
-        named = [(name, module) for name, module in self._module().named_modules() if name]
+        named = [(name, module) for name, module in self.module.named_modules() if name]
         handles = [module.register_forward_hook(note(name)) for name, module in named]
         devices = [device] if device.type == "cuda" else []
         try:
