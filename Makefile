@@ -5,13 +5,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# Extra pip flags: .ci/run passes --no-compile (it has Python write each module's bytecode at its first import).
+PIP_FLAGS ?=
 
 .PHONY: install train test durations lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
