@@ -10,7 +10,13 @@ from moe_platform.train.optimizers import adamw_kernel
 
 # No validation split: the compiled run would compile every block's graphs again for eval (no_grad), ~30 s on a cold
 # inductor cache, for losses this file does not compare.
-STEPS = ["model.n_layers=2", "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0", "data.val.fraction=0"]
+STEPS = [
+    "model.n_layers=2",
+    "trainer.max_steps=4",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "data.val.fraction=0",
+]
 
 
 def losses(run_dir: Path) -> list[tuple[float, float]]:
