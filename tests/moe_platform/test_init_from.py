@@ -1,7 +1,6 @@
 """`init.from_path` / `init.upcycle`: a run starts from a checkpoint's weights exactly, under every strategy."""
 
 import dataclasses
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from moe_platform.checkpoint.consolidate import export_fp32_state_dict
 from moe_platform.config import ConfigError, InitConfig, TrainConfig, load_run_config
 from moe_platform.interop.init_from import initial_state_dict
 from moe_platform.testing import (
-    BIN,
     FAST,
+    PRESTARTED,
     first_batch_loss,
     lm_loss_on_the_first_batch,
     moe_train,
@@ -75,11 +74,10 @@ def test_init_from_under_two_ranks_starts_at_the_source_loss(dense_run, source_l
 
 
 def _moe_train_without_model_choice(run_dir: Path, *overrides: str):
-    """moe-train with testing.FAST's settings but no `model=...`, so that init.from_path supplies the model."""
+    """moe-train with testing.FAST's settings but no `model=...`, so that init.from_path supplies the model; forked
+    from the prestarted moe-train as `moe_train` runs it (which always passes FAST's model=)."""
     args = [a for a in FAST if not a.startswith("model=")] + [*overrides, f"hydra.run.dir={run_dir}"]
-    return subprocess.run(
-        [str(BIN / "moe-train"), *args], capture_output=True, text=True, timeout=300, env=subprocess_env()
-    )
+    return PRESTARTED.run(args, 1, subprocess_env(), timeout=300)
 
 
 def test_the_model_config_is_read_from_the_source(dense_run, source_loss, tmp_path):
