@@ -142,8 +142,9 @@ def test_moe_tiny_trains_in_bf16_with_the_peak_memory_line_near_the_ledger(tmp_p
 
 def test_a_moe_small_sized_model_trains_in_bf16(tmp_path: Path, device: torch.device) -> None:
     """moe_small (512 wide, 8 layers, 8 experts, vocabulary 32000) for 20 steps of 8 × 128 tokens; the CPU smoke run
-    keeps its width and experts at 1 layer, a byte vocabulary and 32 tokens."""
-    shape = ["data.seq_len=128"] if device.type == "cuda" else ["model.n_layers=1", "model.vocab_size=258"]
+    keeps its width and experts at 1 layer, with FFNs 256 wide, a byte vocabulary and 32 tokens."""
+    on_cpu = ["model.n_layers=1", "model.vocab_size=258", "model.d_ff=256", "model.moe.expert_d_ff=256"]
+    shape = ["data.seq_len=128"] if device.type == "cuda" else on_cpu
     train(tmp_path, device, "model=moe_small", *shape, "trainer.precision=bf16", "trainer.max_steps=20", timeout=600)
     assert_learns(train_records(tmp_path))
 
