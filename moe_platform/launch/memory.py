@@ -164,14 +164,15 @@ def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memo
     """["run <overrides> instead (…)"]: moe-plan's fastest layout that fits these ranks; or, when none does, the
     fewest nodes like this one (doubling) on which one does; [] when none does on MAX_NODES."""
     ranks = f"{world_size} {'GPU' if memory.gpu is not None else 'rank'}{'s' if world_size > 1 else ''}"
+    # Every layout's build holds at least the largest block: when even that exceeds this host's share per rank, no
+    # layout builds here on any number of nodes, and the search (seconds for a large model) would find none.
+    if least_build_host_bytes(config) > memory.host_bytes / max(local_ranks, 1):
+        return []
     fitting = fitting_plans(config, world_size, local_ranks, memory)
     if fitting:
         best = fitting[0]
         return [f"run {' '.join(best.layout.overrides())} instead (moe-plan's fastest layout that fits these {ranks}, "
                 f"{_gb(best.memory.total)} per rank)"]  # fmt: skip
-
-    if least_build_host_bytes(config) > memory.host_bytes / max(local_ranks, 1):
-        return []  # no layout on any number of nodes builds within this host's share per rank
 
     def best_on(cluster: Cluster) -> Plan | None:
         return next(iter(fitting_plans(config, cluster.world_size, local_ranks, memory)), None)
