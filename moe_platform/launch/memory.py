@@ -77,6 +77,11 @@ def local_world_size(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def host_share(memory: Memory, local_ranks: int) -> float:
+    """Host bytes each rank of this node may use: the machine's available memory split evenly among its ranks."""
+    return memory.host_bytes / max(local_ranks, 1)
+
+
 def build_host_bytes(config: TrainConfig, world_size: int) -> float:
     """fp32 bytes a rank holds in host memory while it builds the model: the whole model, or under FSDP, ZeRO-3 and
     pipeline parallelism (built on the meta device and filled block by block, or inside zero.Init) the largest
@@ -137,7 +142,7 @@ def this_node_cluster(world_size: int, local_ranks: int, memory: Memory) -> Clus
     them, its --calibrate measures this machine)."""
     nodes = max(1, world_size // max(local_ranks, 1))
     if memory.gpu is None:
-        card = dataclasses.replace(NOMINAL_CPU, memory_bytes=memory.host_bytes / max(local_ranks, 1))
+        card = dataclasses.replace(NOMINAL_CPU, memory_bytes=host_share(memory, local_ranks))
         return Cluster(nodes, local_ranks, card, NOMINAL_CPU.nvlink_bandwidth, NOMINAL_CPU.nvlink_bandwidth)
     known = gpu_of_device(memory.gpu)
     base = known if known is not None else dataclasses.replace(NOMINAL_GPU, name=memory.gpu)
@@ -154,7 +159,7 @@ def fitting_plans(config: TrainConfig, world_size: int, local_ranks: int, memory
     host memory their build needs on every rank of a node."""
     cluster = this_node_cluster(world_size, local_ranks, memory)
     headroom = Headroom(reserved_bytes=0.0)  # free memory is measured after CUDA took its own
-    host_limit = memory.host_bytes / max(local_ranks, 1)
+    host_limit = host_share(memory, local_ranks)
     planning = plan_layouts(config, cluster, headroom=headroom, on_gpu=memory.gpu is not None)
     with configs_frozen():  # the layouts' configs do not change while their builds are weighed
         return [plan for plan in planning.fitting if build_host_bytes(plan.config, world_size) <= host_limit]
@@ -166,7 +171,7 @@ def _remedy(config: TrainConfig, world_size: int, local_ranks: int, memory: Memo
     ranks = f"{world_size} {'GPU' if memory.gpu is not None else 'rank'}{'s' if world_size > 1 else ''}"
     # Every layout's build holds at least the largest block: when even that exceeds this host's share per rank, no
     # layout builds here on any number of nodes, and the search (seconds for a large model) would find none.
-    if least_build_host_bytes(config) > memory.host_bytes / max(local_ranks, 1):
+    if least_build_host_bytes(config) > host_share(memory, local_ranks):
         return []
     fitting = fitting_plans(config, world_size, local_ranks, memory)
     if fitting:
