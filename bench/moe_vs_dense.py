@@ -48,11 +48,14 @@ Printed per row: eval loss on the held-out files after the last step (mean ± st
 (median log window after the first), parameters total/active (the run's own config through moe.count_parameters,
 the ledger's source), and routing health from metrics.jsonl (MaxVio of the worst layer, averaged over the second
 half of the logs; the most dead experts any layer had in a log; alert records). Then the gaps between rows in nats
-and percent, whether the seeds' min–max ranges overlap, and the gap seed by seed (same batches: a paired figure).
+and percent, whether the seeds' min–max ranges overlap, the gap seed by seed (same batches: a paired figure), and
+the steps each seed's run took to reach the reference's final training loss over the reference's own (min–max over
+seeds; `steps_to_match`: within one epoch every batch is new, so the training loss is a held-out loss too).
 
     .venv/bin/python bench/moe_vs_dense.py                 # the full bench: 4 rows x 3 seeds + collapse, 2 jobs
     .venv/bin/python bench/moe_vs_dense.py --quick         # tiny model, 24 steps, 1 seed, 2 rows + collapse
     .venv/bin/python bench/moe_vs_dense.py --rows dense-active,moe-4x2 --seeds 0 --jobs 1   # the pilot
+    .venv/bin/python bench/moe_vs_dense.py --summarize outputs/a --summarize outputs/b   # earlier runs together
 
 Runs go to --out (default outputs/moe_vs_dense, git-ignored), each in runs/<row>_seed<s>; the collapse run's report
 is runs/collapse_seed0/report.html. Each run is forked from a process with moe-train's imports done
@@ -82,6 +85,8 @@ from queue import Queue
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from omegaconf import OmegaConf  # noqa: E402
 
 from moe import count_parameters  # noqa: E402
 from moe_platform.config import load_run_config  # noqa: E402
@@ -334,6 +339,34 @@ class RunResult:
     dead_experts: int | None = None  # most dead experts of any layer in any log of the second half
     alerts: list[dict] = field(default_factory=list)
     report: str | None = None  # the HTML report (collapse row)
+    train_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss) of every log
+
+
+SMOOTH_LOGS = 10  # training-loss logs averaged before comparing levels: 200 steps at the full size's log_every
+
+
+def smoothed(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """(step, mean training loss of this log and the SMOOTH_LOGS - 1 before it) for every log."""
+    losses = [loss for _, loss in curve]
+    return [(step, statistics.mean(losses[max(0, i + 1 - SMOOTH_LOGS) : i + 1])) for i, (step, _) in enumerate(curve)]
+
+
+def first_step_at(curve: list[tuple[int, float]], level: float) -> int | None:
+    """The first step at which the smoothed training loss is at or below `level`; None if it never is."""
+    return next((step for step, loss in smoothed(curve) if loss <= level), None)
+
+
+def steps_to_match(run: RunResult, reference: RunResult) -> float | None:
+    """run's steps to reach the reference's final smoothed training loss, over the reference's own steps to reach it.
+
+    Both runs of a seed train on the same batches in the same order, and within the first epoch every batch is new
+    to the model, so the training loss is a held-out loss on the training distribution: a ratio r < 1 says `run`
+    learns in r of the steps (and tokens) what `reference` learned in all of its. None: `run` never got there.
+    """
+    level = smoothed(reference.train_curve)[-1][1]
+    reached = first_step_at(run.train_curve, level)
+    own = first_step_at(reference.train_curve, level)
+    return None if reached is None or not own else reached / own
 
 
 def read_run(row: str, seed: int, run_dir: Path, wall_s: float) -> RunResult:
@@ -348,7 +381,7 @@ def read_run(row: str, seed: int, run_dir: Path, wall_s: float) -> RunResult:
     rates = [r["tokens_per_s"] for r in train[1:]] or [train[0]["tokens_per_s"]]  # the first holds the start-up
     result = RunResult(
         row, seed, evals[-1]["eval/loss"], train[-1]["loss"], statistics.median(rates), counts.total, counts.active,
-        wall_s, alerts=[r for r in records if "alert" in r],
+        wall_s, alerts=[r for r in records if "alert" in r], train_curve=[(r["step"], r["loss"]) for r in train],
     )  # fmt: skip
     if "moe/all/maxvio_max" in train[0]:
         second_half = train[len(train) // 2 :]
@@ -422,6 +455,45 @@ def run_all(
     return results
 
 
+SHARED_SETTINGS = {  # what every row of one bench shares, as a run's config.yaml says it and as the size does
+    "trainer.max_steps": "steps", "optim.warmup_steps": "warmup_steps", "data.val.fraction": "val_fraction",
+    "data.seq_len": "seq_len", "data.global_batch_size": "global_batch", "model.d_model": "d_model",
+    "model.n_layers": "n_layers", "model.n_heads": "n_heads", "model.n_kv_heads": "n_kv_heads",
+}  # fmt: skip
+
+
+def summarize(dirs: list[Path], rows: list[str] | None) -> tuple[Size, Corpus, list[RunResult]]:
+    """The runs of earlier benches (each dir an --out), read back together without training: the size and corpus of
+    the first dir's summary.json, the seeds found. Refuses runs of another setting or corpus, and a (row, seed) that
+    two dirs both hold. The collapse rows are left out (their own, shorter schedule)."""
+    saved = [json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None for d in dirs]
+    if saved[0] is None:
+        raise SystemExit(f"--summarize {dirs[0]}: it holds no summary.json: name first a directory a bench wrote")
+    size = Size(**{**saved[0]["size"], "seeds": tuple(saved[0]["size"]["seeds"])})
+    corpus = Corpus(**saved[0]["corpus"])
+    walls = {(r["row"], r["seed"]): r["wall_s"] for s in saved if s for r in s["runs"]}
+    results: dict[tuple[str, int], RunResult] = {}
+    for directory, summary in zip(dirs, saved, strict=True):
+        if summary and summary["corpus"]["sha256"] != corpus.sha256:
+            raise SystemExit(f"--summarize {directory}: its corpus is not {dirs[0]}'s: summarize one corpus's runs")
+        for run_dir in sorted((directory / "runs").glob("*_seed*")):
+            row, _, seed = run_dir.name.rpartition("_seed")
+            if row in COLLAPSE_ROWS or (rows and row not in rows):
+                continue
+            if (row, int(seed)) in results:
+                raise SystemExit(f"--summarize: {row} seed {seed} is in two of the directories: name only one")
+            config = OmegaConf.load(run_dir / "config.yaml")
+            for key, name in SHARED_SETTINGS.items():
+                if OmegaConf.select(config, key) != getattr(size, name):
+                    raise SystemExit(
+                        f"--summarize: {run_dir} ran with {key}={OmegaConf.select(config, key)}, not the "
+                        f"{getattr(size, name)} of {dirs[0]}/summary.json: summarize runs of one setting"
+                    )
+            results[row, int(seed)] = read_run(row, int(seed), run_dir, walls.get((row, int(seed)), math.nan))
+    seeds = tuple(sorted({seed for _, seed in results}))
+    return replace(size, seeds=seeds), corpus, list(results.values())
+
+
 def spread(values: list[float]) -> str:
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.4f} ± {std:.4f} [{min(values):.4f}–{max(values):.4f}]"
@@ -470,7 +542,8 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
         paired = [ours[s] - theirs[s] for s in sorted(ours) if s in theirs]
         print(
             f"  {row} vs {reference}: {gap:+.4f} nats ({percent:+.2f}%), seed ranges overlap: "
-            f"{'yes' if overlap else 'no'}; paired per seed {min(paired):+.4f} to {max(paired):+.4f}"
+            f"{'yes' if overlap else 'no'}; paired per seed {min(paired):+.4f} to {max(paired):+.4f}; "
+            f"steps to the reference's final training loss {steps_ratios(by_row[row], by_row[reference])}"
         )
     for run in [r for r in results if r.row in COLLAPSE_ROWS]:
         kinds = sorted({a["alert"] for a in run.alerts})
@@ -480,6 +553,16 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
             f"{run.row} ({ROUTING[run.row]}, {size.collapse_steps} steps): {fired}; "
             f"MaxVio {run.maxvio:.3f}, dead experts {run.dead_experts}; report {run.report}"
         )
+
+
+def steps_ratios(runs: list[RunResult], references: list[RunResult]) -> str:
+    """`steps_to_match` of each seed's pair, as min–max over seeds (and how many seeds never got there)."""
+    by_seed = {r.seed: r for r in references}
+    ratios = [steps_to_match(run, by_seed[run.seed]) for run in runs if run.seed in by_seed]
+    reached = [r for r in ratios if r is not None]
+    span = f"{min(reached):.2f}–{max(reached):.2f}x" if reached else "never reached"
+    missed = len(ratios) - len(reached)
+    return span + (f", not reached at {missed} seed(s)" if reached and missed else "")
 
 
 ROUTING = {
@@ -533,7 +616,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="threads per run")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "moe_vs_dense")
     parser.add_argument("--json", type=Path, help="also write the corpus and every run's figures here")
+    parser.add_argument(
+        "--summarize",
+        action="append",
+        type=Path,
+        metavar="DIR",
+        help="train nothing: print the tables over the runs already in these earlier --out directories together "
+        "(the first holds a summary.json; repeatable; --rows picks rows; the collapse rows are left out)",
+    )
     args = parser.parse_args(argv)
+    if args.summarize:
+        size, corpus, results = summarize(args.summarize, args.rows.split(",") if args.rows else None)
+        rows = [row for row in row_overrides(size) if any(r.row == row for r in results)]
+        print_results(size, corpus, rows, results, {})
+        summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": {}, "runs": [asdict(r) for r in results]}
+        if args.json:
+            args.json.write_text(json.dumps(summary, indent=1))
+        return summary
 
     size = QUICK if args.quick else FULL
     if args.seeds:
@@ -561,6 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nbench wall time {time.monotonic() - start:.0f} s ({args.jobs} job(s) x {args.threads} thread(s))")
     summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped}
     summary["runs"] = [asdict(r) for r in results]
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))  # what --summarize reads back
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     if any(not math.isfinite(r.eval_loss) for r in results):

@@ -4,6 +4,8 @@ finite numbers, on the stdlib corpus, with the collapse run's routing alert in m
 import html
 import math
 import re
+import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -45,7 +47,9 @@ def shape(size) -> list[str]:
             f"model.n_kv_heads={size.n_kv_heads}"]  # fmt: skip
 
 
-def test_the_quick_run_prints_every_row_with_finite_numbers(load_bench, tmp_path: Path, capsys) -> None:
+def test_the_quick_run_prints_every_row_with_finite_numbers_and_summarize_reads_it_back(
+    load_bench, tmp_path: Path, capsys
+) -> None:
     bench = load_bench("moe_vs_dense")
     summary = bench.main(["--quick", "--jobs", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -62,6 +66,7 @@ def test_the_quick_run_prints_every_row_with_finite_numbers(load_bench, tmp_path
         assert all(math.isfinite(float(n.replace(",", ""))) for n in numbers), rows[row]
     gap = next(line for line in out.splitlines() if line.startswith("  moe-4x2 vs dense-active:"))
     assert re.search(r"[-+]\d\.\d{4} nats \([-+]\d+\.\d\d%\), seed ranges overlap: (yes|no); paired", gap), gap
+    assert re.search(r"steps to the reference's final training loss (\d\.\d\d–\d\.\d\dx|never reached)", gap), gap
 
     runs = {run["row"]: run for run in summary["runs"]}
     assert set(runs) == {"dense-active", "moe-4x2", "collapse"}
@@ -77,6 +82,47 @@ def test_the_quick_run_prints_every_row_with_finite_numbers(load_bench, tmp_path
     assert "<table id='alerts' class='alert'>" in page
     for alert in collapse["alerts"]:
         assert html.escape(alert["message"]) in page
+
+    # --summarize trains nothing and reads the same runs back: the same figures, the same gap line.
+    again = bench.main(["--summarize", str(tmp_path)])
+    assert capsys.readouterr().out.count(gap) == 1
+    read_back = {run["row"]: run for run in again["runs"]}
+    assert set(read_back) == {"dense-active", "moe-4x2"}  # the collapse rows have their own schedule
+    for row, run in read_back.items():
+        assert {k: v for k, v in run.items() if k != "train_curve"} == {
+            k: v for k, v in runs[row].items() if k != "train_curve"
+        }
+        assert [list(point) for point in run["train_curve"]] == [list(point) for point in runs[row]["train_curve"]]
+    # A run of another setting is refused in one sentence naming it, and so is a run two directories both hold.
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "runs" / "moe-4x2_seed0", other / "runs" / "moe-4x2_seed1")
+    config = other / "runs" / "moe-4x2_seed1" / "config.yaml"
+    config.write_text(config.read_text().replace(f"max_steps: {bench.QUICK.steps}", "max_steps: 99"))
+    with pytest.raises(SystemExit, match=r"^--summarize: .*moe-4x2_seed1 ran with trainer.max_steps=99, not the 24 "):
+        bench.main(["--summarize", str(tmp_path), "--summarize", str(other)])
+    with pytest.raises(
+        SystemExit, match=r"^--summarize: dense-active seed 0 is in two of the directories: name only one$"
+    ):
+        bench.main(["--summarize", str(tmp_path), "--summarize", str(tmp_path)])
+
+
+def test_steps_to_match_is_one_for_the_same_curve_below_one_for_a_faster_and_none_for_one_that_never_gets_there(
+    load_bench,
+) -> None:
+    bench = load_bench("moe_vs_dense")
+
+    def run(losses: list[float]):
+        return bench.RunResult("r", 0, 0.0, losses[-1], 1.0, 1, 1, 0.0, train_curve=list(enumerate(losses)))
+
+    reference = [3.0 - 0.05 * step for step in range(40)]  # its last 10 logs average 1.275
+    faster = [3.0 - 0.0625 * step for step in range(40)]  # every level in 0.8 of the steps
+    stuck = [max(loss, 1.5) for loss in reference]
+    assert bench.steps_to_match(run(reference), run(reference)) == 1.0
+    ratio = bench.steps_to_match(run(faster), run(reference))
+    assert 0.78 < ratio < 0.88  # 0.8 up to the smoothing window's lag (both curves lag 4.5 steps: 33 / 39)
+    assert bench.steps_to_match(run(stuck), run(reference)) is None
+    level = bench.smoothed(list(enumerate(reference)))[-1][1]
+    assert level == pytest.approx(statistics.mean(reference[-bench.SMOOTH_LOGS :]))
 
 
 def test_set_overrides_a_numeric_field_of_the_size_and_refuses_others_in_one_sentence(load_bench) -> None:
