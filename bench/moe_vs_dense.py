@@ -534,14 +534,19 @@ def print_results(size: Size, corpus: Corpus, rows: list[str], results: list[Run
     for row, reference in GAPS:
         if not by_row.get(row) or not by_row.get(reference):
             continue
-        ours = {r.seed: r.eval_loss for r in by_row[row]}
-        theirs = {r.seed: r.eval_loss for r in by_row[reference]}
+        # over the seeds both rows ran (all of them, but for --summarize of runs with different seed sets)
+        seeds = sorted({r.seed for r in by_row[row]} & {r.seed for r in by_row[reference]})
+        if not seeds:
+            continue
+        ours = {r.seed: r.eval_loss for r in by_row[row] if r.seed in seeds}
+        theirs = {r.seed: r.eval_loss for r in by_row[reference] if r.seed in seeds}
         gap = statistics.mean(ours.values()) - statistics.mean(theirs.values())
         percent = 100 * gap / statistics.mean(theirs.values())
         overlap = max(min(ours.values()), min(theirs.values())) <= min(max(ours.values()), max(theirs.values()))
-        paired = [ours[s] - theirs[s] for s in sorted(ours) if s in theirs]
+        paired = [ours[s] - theirs[s] for s in seeds]
+        which = "" if len(seeds) == max(len(by_row[row]), len(by_row[reference])) else f" (seeds {seeds})"
         print(
-            f"  {row} vs {reference}: {gap:+.4f} nats ({percent:+.2f}%), seed ranges overlap: "
+            f"  {row} vs {reference}{which}: {gap:+.4f} nats ({percent:+.2f}%), seed ranges overlap: "
             f"{'yes' if overlap else 'no'}; paired per seed {min(paired):+.4f} to {max(paired):+.4f}; "
             f"steps to the reference's final training loss {steps_ratios(by_row[row], by_row[reference])}"
         )

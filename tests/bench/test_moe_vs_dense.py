@@ -183,3 +183,19 @@ def f(x):
     assert prose == "\n\n".join([*paragraphs, "first line of a note\nsecond line of the note"])
     assert "import" not in prose and "return" not in prose and "----" not in prose
     assert bench.prose_of("def broken(:\n    '''never parsed'''\n") == ""
+
+
+def test_a_gap_between_rows_of_different_seed_sets_is_taken_over_the_seeds_both_ran(load_bench, capsys) -> None:
+    """--summarize can join runs of different seed sets: a gap is paired, so it is over the seeds both rows hold."""
+    bench = load_bench("moe_vs_dense")
+    corpus = bench.Corpus("stdlib", "cpython", 1, 0, 1, 1, 1, "0" * 64, "shards")
+    curve = [(step, 2.0 - step / 100) for step in range(0, 100, 4)]
+
+    def run(row: str, seed: int, loss: float):
+        return bench.RunResult(row, seed, loss, curve[-1][1], 1.0, 1, 1, 0.0, train_curve=curve)
+
+    results = [run("dense-active", 0, 1.0), run("dense-active", 1, 3.0), run("moe-4x2", 0, 0.9)]
+    bench.print_results(bench.QUICK, corpus, ["dense-active", "moe-4x2"], results, {})
+    gap = next(line for line in capsys.readouterr().out.splitlines() if "moe-4x2 vs dense-active" in line)
+    assert gap.startswith("  moe-4x2 vs dense-active (seeds [0]): -0.1000 nats (-10.00%)"), gap
+    assert "steps to the reference's final training loss 1.00–1.00x" in gap  # the same curve: the same steps
