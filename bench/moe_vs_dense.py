@@ -474,11 +474,13 @@ def summarize(dirs: list[Path], rows: list[str] | None) -> tuple[Size, Corpus, l
     walls = {(r["row"], r["seed"]): r["wall_s"] for s in saved if s for r in s["runs"]}
     results: dict[tuple[str, int], RunResult] = {}
     for directory, summary in zip(dirs, saved, strict=True):
+        if not (directory / "runs").is_dir():
+            raise SystemExit(f"--summarize {directory}: it holds no runs/ directory: name an earlier bench's --out")
         if summary and summary["corpus"]["sha256"] != corpus.sha256:
             raise SystemExit(f"--summarize {directory}: its corpus is not {dirs[0]}'s: summarize one corpus's runs")
         for run_dir in sorted((directory / "runs").glob("*_seed*")):
             row, _, seed = run_dir.name.rpartition("_seed")
-            if row in COLLAPSE_ROWS or (rows and row not in rows):
+            if not seed.isdigit() or row in COLLAPSE_ROWS or (rows and row not in rows):  # not a run, or not asked
                 continue
             if (row, int(seed)) in results:
                 raise SystemExit(f"--summarize: {row} seed {seed} is in two of the directories: name only one")
@@ -490,6 +492,8 @@ def summarize(dirs: list[Path], rows: list[str] | None) -> tuple[Size, Corpus, l
                         f"{getattr(size, name)} of {dirs[0]}/summary.json: summarize runs of one setting"
                     )
             results[row, int(seed)] = read_run(row, int(seed), run_dir, walls.get((row, int(seed)), math.nan))
+    if not results:
+        raise SystemExit(f"--summarize: no run of {rows or 'any row'} under {[str(d) for d in dirs]}: check --rows")
     seeds = tuple(sorted({seed for _, seed in results}))
     return replace(size, seeds=seeds), corpus, list(results.values())
 

@@ -104,6 +104,10 @@ def test_the_quick_run_prints_every_row_with_finite_numbers_and_summarize_reads_
         SystemExit, match=r"^--summarize: dense-active seed 0 is in two of the directories: name only one$"
     ):
         bench.main(["--summarize", str(tmp_path), "--summarize", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"^--summarize .*nowhere: it holds no runs/ directory: name an earlier"):
+        bench.main(["--summarize", str(tmp_path), "--summarize", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match=r"^--summarize: no run of \['dense-total'\] under .*: check --rows$"):
+        bench.main(["--summarize", str(tmp_path), "--rows", "dense-total"])
 
 
 def test_steps_to_match_is_one_for_the_same_curve_below_one_for_a_faster_and_none_for_one_that_never_gets_there(
