@@ -590,6 +590,15 @@ def size_field(item: str) -> tuple[str, object]:
     return name, (int if kinds[name] == "int" else float)(value)
 
 
+def write_summary(size: Size, corpus: Corpus, skipped: dict, results: list[RunResult], paths: list[Path]) -> dict:
+    """The corpus, the size, the skipped rows and every run's figures, written as JSON to each of `paths`."""
+    summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped, "runs": [asdict(r) for r in results]}
+    text = json.dumps(summary, indent=1)
+    for path in paths:
+        path.write_text(text)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the bench, print its tables, and return what --json writes."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -638,10 +647,7 @@ def main(argv: list[str] | None = None) -> dict:
         size, corpus, results = summarize(args.summarize, args.rows.split(",") if args.rows else None)
         rows = [row for row in row_overrides(size) if any(r.row == row for r in results)]
         print_results(size, corpus, rows, results, {})
-        summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": {}, "runs": [asdict(r) for r in results]}
-        if args.json:
-            args.json.write_text(json.dumps(summary, indent=1))
-        return summary
+        return write_summary(size, corpus, {}, results, [args.json] if args.json else [])
 
     size = QUICK if args.quick else FULL
     if args.seeds:
@@ -667,11 +673,10 @@ def main(argv: list[str] | None = None) -> dict:
     results = run_all(size, ran, args.out, corpus, args.jobs, args.threads, tuple(args.extra))
     print_results(size, corpus, rows, results, skipped)
     print(f"\nbench wall time {time.monotonic() - start:.0f} s ({args.jobs} job(s) x {args.threads} thread(s))")
-    summary = {"corpus": asdict(corpus), "size": asdict(size), "skipped": skipped}
-    summary["runs"] = [asdict(r) for r in results]
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))  # what --summarize reads back
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+    # out/summary.json is what --summarize reads back; --json is a copy wherever the user wants it
+    summary = write_summary(
+        size, corpus, skipped, results, [args.out / "summary.json", *([args.json] if args.json else [])]
+    )
     if any(not math.isfinite(r.eval_loss) for r in results):
         raise SystemExit("a run's eval loss is not finite: see its run directory")
     return summary
